@@ -1,0 +1,77 @@
+"""CPU figures for the foundation issue: SmolLM2 conversion (wall time, peak RSS vs the
+largest tensor) and batch-1 greedy decode tokens/s. Prints a markdown table.
+
+    python bench/cpu_smollm2.py [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD_CONVERT = """
+import sys, time, resource
+from jaxinfer.checkpoint import convert
+t = time.perf_counter()
+convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3], progress=False)
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+CHILD_IMPORT = """
+import resource, jaxinfer.checkpoint, gguf.quants, orbax.checkpoint.experimental.v1
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    from jaxinfer.default_model import default_gguf
+
+    gguf_path = default_gguf()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ckpt"
+        res = subprocess.run([sys.executable, "-c", CHILD_CONVERT, str(gguf_path), str(out),
+                              args.dtype], capture_output=True, text=True, check=True)
+        wall, rss_kb = res.stdout.split()
+        base_kb = subprocess.run([sys.executable, "-c", CHILD_IMPORT], capture_output=True,
+                                 text=True, check=True).stdout.split()[0]
+        from jaxinfer.checkpoint import expected_shapes
+        from jaxinfer.config import ModelConfig
+
+        config = ModelConfig.from_json_file(out / "model_config.json")
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
+        largest = max(math.prod(s) for s in expected_shapes(config).values())
+        largest_mb = largest * itemsize / 2**20
+
+        from jaxinfer import LLM, SamplingParams
+
+        llm = LLM(out)
+        prompt = llm.tokenizer.encode("The capital of France is")
+        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+        llm.generate([prompt], params)  # compile every bucket this run touches
+        t = time.perf_counter()
+        n = len(llm.generate([prompt], params)[0].token_ids)
+        decode_s = time.perf_counter() - t
+    rows = {
+        "convert wall time (s)": f"{float(wall):.1f}",
+        "convert peak RSS (MB)": f"{int(rss_kb) / 1024:.0f}",
+        "RSS of the imports alone (MB)": f"{int(base_kb) / 1024:.0f}",
+        f"largest tensor, {args.dtype} (MB)": f"{largest_mb:.0f}",
+        "batch-1 greedy tokens/s (prompt 5, 128 new, warm)": f"{n / decode_s:.1f}",
+    }
+    print(json.dumps(rows))
+    print("| what | figure |\n| --- | --- |")
+    for k, v in rows.items():
+        print(f"| {k} | {v} |")
+
+
+if __name__ == "__main__":
+    main()

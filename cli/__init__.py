@@ -1,0 +1,1 @@
+"""The `jaxinfer` command line (click)."""

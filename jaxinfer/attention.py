@@ -1,0 +1,137 @@
+"""Ragged paged attention: the one attention interface every model calls.
+
+A step processes a *ragged batch*: the new tokens of up to S sequences laid end
+to end (prefill chunks and single decode tokens mixed). Shapes are static
+(padded to buckets); the live part is described by the metadata.
+
+Layouts (shared by every backend):
+  q            [T, Hq, D]    new query tokens, sequence after sequence
+  k, v         [T, Hkv, D]   this step's new keys / values (same order)
+  k_pages      [num_pages, page_size, Hkv, D]   one layer's key cache
+  v_pages      [num_pages, page_size, Hkv, D]   one layer's value cache
+  cu_q_lens    [S + 1] int32  token offsets: sequence s owns q[cu_q_lens[s]:cu_q_lens[s+1]]
+  kv_lens      [S] int32      tokens in the cache for s *after* this step
+  page_indices [S, P] int32   the pages of sequence s, in order; P * page_size >= kv_lens[s]
+  num_seqs     [1] int32      live sequences (<= S); the rest is padding
+
+Token i of sequence s sits at position kv_lens[s] - q_len[s] + i, and attends
+causally to cache positions <= its own (so chunked prefill and prefix-cache
+hits work). The new k/v are written into the pages before attending, and the
+updated pages are returned (callers donate them so the update is in place).
+
+`ragged_paged_attention` picks the implementation in one place; today only the
+pure-JAX reference below exists (the Pallas and Mosaic GPU kernels plug in
+here without touching model code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Describes a ragged batch (see the module docstring for shapes)."""
+
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    num_seqs: jax.Array
+
+
+def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata):
+    """Scatters this step's k/v [T, Hkv, D] into the pages; padding tokens are dropped."""
+    token_seq, token_pos, valid = token_positions(md, k.shape[0])
+    page_size = k_pages.shape[1]
+    page = md.page_indices[token_seq, token_pos // page_size]
+    page = jnp.where(valid, page, k_pages.shape[0])  # out of range: dropped below
+    slot = token_pos % page_size
+    k_pages = k_pages.at[page, slot].set(k.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[page, slot].set(v.astype(v_pages.dtype), mode="drop")
+    return k_pages, v_pages
+
+
+def token_positions(md: AttentionMetadata, num_tokens: int):
+    """For each of the T tokens: (its sequence, its position in that sequence, is it live)."""
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = md.num_seqs[0]
+    valid = tokens < md.cu_q_lens[num_seqs]
+    # Sequence s owns tokens cu_q_lens[s] <= t < cu_q_lens[s + 1].
+    seq = jnp.searchsorted(md.cu_q_lens[1:], tokens, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, md.kv_lens.shape[0] - 1)
+    q_len = md.cu_q_lens[seq + 1] - md.cu_q_lens[seq]
+    pos = md.kv_lens[seq] - q_len + (tokens - md.cu_q_lens[seq])
+    valid = valid & (pos >= 0)
+    return seq, jnp.where(valid, pos, 0), valid
+
+
+def ragged_paged_attention_reference(
+    q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
+    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+):
+    """Pure-JAX reference (the spec). Returns (out [T, Hq, D] in q.dtype, k_pages, v_pages).
+
+    It gathers every sequence's pages and attends densely with a mask, which
+    costs T x S x P x page_size scores: fine as a spec and on CPU, not a kernel.
+    `sinks` [Hq] (gpt-oss) adds one learned logit per head to the softmax denominator.
+    """
+    k_pages, v_pages = write_kv_pages(k, v, k_pages, v_pages, md)
+    T, Hq, D = q.shape
+    S, P = md.page_indices.shape
+    page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
+    G = Hq // Hkv
+    ctx = P * page_size
+
+    # All cached keys of all sequences: [S, ctx, Hkv, D].
+    k_all = k_pages[md.page_indices].reshape(S, ctx, Hkv, D)
+    v_all = v_pages[md.page_indices].reshape(S, ctx, Hkv, D)
+
+    token_seq, q_pos, valid = token_positions(md, T)
+    kv_pos = jnp.arange(ctx, dtype=jnp.int32)
+    mask = (token_seq[:, None] == jnp.arange(S)[None, :])[:, :, None]  # [T, S, 1]
+    mask &= kv_pos[None, None, :] <= q_pos[:, None, None]
+    mask &= kv_pos[None, None, :] < md.kv_lens[None, :, None]
+    if sliding_window is not None:
+        mask &= q_pos[:, None, None] - kv_pos[None, None, :] < sliding_window
+    mask &= valid[:, None, None]
+
+    qg = q.reshape(T, Hkv, G, D)
+    scores = jnp.einsum(
+        "thgd,sjhd->thgsj", qg, k_all, preferred_element_type=jnp.float32
+    ) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    scores = scores.reshape(T, Hkv, G, S * ctx)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, Hkv, G, 1)
+        row_max = jnp.maximum(row_max, sink)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # fully masked (padding) rows
+    p = jnp.exp(scores - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom += jnp.exp(sink - row_max)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum(
+        "thgj,jhd->thgd", p.astype(v_all.dtype), v_all.reshape(S * ctx, Hkv, D),
+        preferred_element_type=jnp.float32,
+    )
+    return out.reshape(T, Hq, D).astype(q.dtype), k_pages, v_pages
+
+
+def ragged_paged_attention(
+    q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
+    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
+):
+    """Writes k/v into the pages and attends. The one place that picks a backend."""
+    return ragged_paged_attention_reference(
+        q, k, v, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, sinks=sinks,
+    )

@@ -1,0 +1,184 @@
+"""Model configuration: one dataclass for every dense decoder family.
+
+Families (Llama, Mistral, Qwen2, Qwen3) differ only by the fields below; the
+decoder in `jaxinfer.models` reads nothing else. A config is built from an HF
+`config.json` dict or from GGUF metadata and stored as JSON in converted
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from jaxinfer.errors import JaxinferError
+
+# HF `architectures[0]` / `model_type` -> our family name.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF `rope_scaling` / `rope_parameters` minus `rope_theta`; None = plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, Llama `attention_bias`
+    o_bias: bool = False  # Llama `attention_bias` also biases o_proj
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise JaxinferError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise JaxinferError(f"rope_scaling.rope_type={rope_type!r} is not supported")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json_file(cls, path: Path) -> ModelConfig:
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise JaxinferError(f"{path}: cannot read model config ({e})") from None
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Builds a ModelConfig from an HF `config.json` dict (transformers 4.x or 5.x)."""
+    archs = d.get("architectures") or []
+    family = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if family is None:
+        raise JaxinferError(
+            f"{source}: architectures={archs} is not supported "
+            f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})"
+        )
+
+    def need(key):
+        if key not in d:
+            raise JaxinferError(f"{source}: missing field {key!r}")
+        return d[key]
+
+    num_heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    # transformers 5 moved rope_theta / rope_scaling into `rope_parameters`.
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope_theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    if rope.get("rope_type", "default") == "default":
+        rope = {}
+    sliding_window = d.get("sliding_window")
+    if family == "qwen2" or family == "qwen3":
+        # Qwen declares a window but only uses it when use_sliding_window is set.
+        sliding_window = sliding_window if d.get("use_sliding_window") else None
+    attention_bias = bool(d.get("attention_bias", False))
+    return ModelConfig(
+        family=family,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=d.get("num_key_value_heads") or num_heads,
+        head_dim=d.get("head_dim") or hidden // num_heads,
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope or None,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or attention_bias,
+        o_bias=family in ("llama", "mistral") and attention_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        sliding_window=sliding_window,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_ids(d.get("eos_token_id")),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any], source: str, has_output_tensor: bool) -> ModelConfig:
+    """Builds a ModelConfig from GGUF key/value metadata (already decoded to Python values)."""
+    arch = meta.get("general.architecture")
+    family = GGUF_ARCHITECTURES.get(arch)
+    if family is None:
+        raise JaxinferError(f"{source}: general.architecture={arch!r} is not supported")
+
+    def need(key):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise JaxinferError(f"{source}: missing GGUF field {full!r}")
+        return meta[full]
+
+    num_heads = need("attention.head_count")
+    hidden = need("embedding_length")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    rope = None
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+    elif scaling == "yarn":
+        rope = {
+            "rope_type": "yarn",
+            "factor": meta[f"{arch}.rope.scaling.factor"],
+            "original_max_position_embeddings": meta[
+                f"{arch}.rope.scaling.original_context_length"
+            ],
+        }
+    elif scaling not in (None, "none"):
+        raise JaxinferError(f"{source}: {arch}.rope.scaling.type={scaling!r} is not supported")
+    return ModelConfig(
+        family=family,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=need("feed_forward_length"),
+        num_layers=need("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=meta.get(f"{arch}.attention.head_count_kv") or num_heads,
+        head_dim=meta.get(f"{arch}.attention.key_length") or hidden // num_heads,
+        max_position_embeddings=need("context_length"),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope,
+        tie_word_embeddings=not has_output_tensor,
+        qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
+    )

@@ -1,0 +1,161 @@
+"""Reads a GGUF file: metadata -> ModelConfig, tensors dequantized with the `gguf`
+package, and the embedded tokenizer rebuilt as a `tokenizers` tokenizer.
+
+GGUF quirks handled here: ggml stores shapes innermost-first (numpy order is
+the reverse, which the gguf reader already gives), and llama.cpp permutes the
+rows of Llama's q/k projections for its interleaved RoPE, which we undo so the
+weights match HF's `rotate_half` convention.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig, config_from_gguf
+from jaxinfer.errors import JaxinferError
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed.embedding",
+    "output_norm.weight": "final_norm.scale",
+    "output.weight": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm.scale",
+    "ffn_norm.weight": "post_attn_norm.scale",
+    "attn_q.weight": "attn.q_proj.weight",
+    "attn_k.weight": "attn.k_proj.weight",
+    "attn_v.weight": "attn.v_proj.weight",
+    "attn_output.weight": "attn.o_proj.weight",
+    "attn_q.bias": "attn.q_proj.bias",
+    "attn_k.bias": "attn.k_proj.bias",
+    "attn_v.bias": "attn.v_proj.bias",
+    "attn_q_norm.weight": "attn.q_norm.scale",
+    "attn_k_norm.weight": "attn.k_norm.scale",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+# llama.cpp pre-tokenizer names -> the split regex they stand for.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
+                 r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_PRE_TOKENIZERS = {"gpt2": _GPT2_SPLIT, "smollm": _GPT2_SPLIT, "default": _GPT2_SPLIT,
+                   "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+def gguf_key(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's per-head row permutation of q/k projection weights."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource:
+    """A .gguf file (llama, mistral, qwen2, qwen3 architectures)."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+            self.meta = {k: f.contents() for k, f in self.reader.fields.items()
+                         if not k.startswith("GGUF.")}
+        except FileNotFoundError:
+            raise JaxinferError(f"{self.path}: file not found") from None
+        except Exception as e:  # gguf raises ValueError/IndexError/... on damaged files
+            raise JaxinferError(f"{self.path}: truncated or corrupt GGUF file ({e})") from None
+        names = {t.name for t in self.reader.tensors}
+        if "rope_freqs.weight" in names:
+            raise JaxinferError(f"{self.path}: rope_freqs.weight (llama3 RoPE scaling stored as a "
+                                "tensor) is not supported yet; convert the HF directory instead")
+        self.config: ModelConfig = config_from_gguf(self.meta, str(self.path),
+                                                    has_output_tensor="output.weight" in names)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray, str]]:
+        """Yields (our key, float32 array, file name), dequantizing one tensor at a time."""
+        from gguf.quants import dequantize
+
+        permute = self.config.family in ("llama", "mistral")
+        for t in self.reader.tensors:
+            key = gguf_key(t.name)
+            if key is None:
+                continue
+            try:
+                w = dequantize(t.data, t.tensor_type)
+            except Exception as e:
+                raise JaxinferError(f"{self.path}: cannot read tensor {t.name} ({e})") from None
+            if permute and key.endswith("attn.q_proj.weight"):
+                w = _unpermute_rows(w, self.config.num_heads)
+            elif permute and key.endswith("attn.k_proj.weight"):
+                w = _unpermute_rows(w, self.config.num_kv_heads)
+            yield key, w, self.path.name
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """tokenizer.json and tokenizer_config.json rebuilt from the embedded tokenizer."""
+        tok = self._build_tokenizer()
+        tokens = self.meta["tokenizer.ggml.tokens"]
+
+        def token(key):
+            i = self.meta.get(key)
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        tok_config = {
+            "bos_token": token("tokenizer.ggml.bos_token_id"),
+            "eos_token": token("tokenizer.ggml.eos_token_id"),
+            "chat_template": self.meta.get("tokenizer.chat_template"),
+        }
+        return {"tokenizer.json": tok.to_str().encode(),
+                "tokenizer_config.json": json.dumps(tok_config, indent=2).encode()}
+
+    def _build_tokenizer(self):
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers.processors import TemplateProcessing
+
+        kind = self.meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise JaxinferError(f"{self.path}: tokenizer.ggml.model={kind!r} is not supported "
+                                "(only byte-level BPE, 'gpt2'); convert the HF directory instead")
+        pre = self.meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            raise JaxinferError(f"{self.path}: tokenizer.ggml.pre={pre!r} is not supported")
+        tokens = self.meta["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in self.meta["tokenizer.ggml.merges"]]
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
+                                   fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_PRE_TOKENIZERS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tok.decoder = decoders.ByteLevel()
+        types = self.meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        typed = list(zip(tokens, types, strict=True))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in typed if ty == _TOKEN_TYPE_CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in typed if ty == _TOKEN_TYPE_USER_DEFINED])
+        bos = self.meta.get("tokenizer.ggml.bos_token_id")
+        if self.meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+            tok.post_processor = TemplateProcessing(
+                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+                special_tokens=[(tokens[bos], bos)])
+        return tok
+

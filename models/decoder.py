@@ -1,0 +1,70 @@
+"""The decoder-only transformer shared by every dense family (Llama, Mistral, Qwen2, Qwen3).
+
+Input is one ragged batch of T new tokens (see `jaxinfer.attention`); the KV
+cache is a list with one (k_pages, v_pages) pair per layer, returned updated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.attention import AttentionMetadata
+from jaxinfer.config import ModelConfig
+from jaxinfer.linear import linear
+from jaxinfer.models.layers import MLP, Attention, RMSNorm
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, kv_pages, md):
+        h, kv_pages = self.attn(self.input_norm(x), positions, kv_pages, md)
+        x = x + h
+        x = x + self.mlp(self.post_attn_norm(x))
+        return x, kv_pages
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size, dim, *, dtype, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
+                                                                 (vocab_size, dim), dtype))
+
+    def __call__(self, token_ids):
+        return jnp.take(self.embedding[...], token_ids, axis=0)
+
+
+class Decoder(nnx.Module):
+    """Checkpoint keys: embed.embedding, layers.{i}.*, final_norm.scale, lm_head (when untied)."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
+                rngs.params(), (config.vocab_size, config.hidden_size), dtype))
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: list,
+                 md: AttentionMetadata):
+        """token_ids, positions [T] int32 -> (hidden [T, hidden_size], updated kv_cache)."""
+        x = self.embed(token_ids)
+        new_cache = []
+        for layer, kv_pages in zip(self.layers, kv_cache, strict=True):
+            x, kv_pages = layer(x, positions, kv_pages, md)
+            new_cache.append(kv_pages)
+        return self.final_norm(x), new_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., hidden_size] -> float32 logits [..., vocab]."""
+        w = self.embed.embedding[...] if self.lm_head is None else self.lm_head[...]
+        return linear(hidden, w).astype(jnp.float32)

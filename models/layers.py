@@ -1,0 +1,144 @@
+"""Shared decoder layers: RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP.
+
+Parameter names match the checkpoint keys written by `jaxinfer convert`
+(e.g. `layers.3.attn.q_proj.weight`); linear weights are (out, in).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
+from jaxinfer.config import ModelConfig
+from jaxinfer.linear import linear
+
+_init = nnx.initializers.normal(0.02)
+
+
+class Linear(nnx.Module):
+    """weight [out, in] (+ bias [out])."""
+
+    def __init__(self, in_features, out_features, *, bias, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_init(rngs.params(), (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x):
+        return linear(x, self.weight[...], None if self.bias is None else self.bias[...])
+
+
+class RMSNorm(nnx.Module):
+    """HF's order of operations: normalise in f32, cast back, then scale."""
+
+    def __init__(self, dim, *, eps, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * x32.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[jax.Array, float]:
+    """Inverse frequencies [head_dim // 2] and the attention scaling for the config's RoPE."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    scaling = dict(config.rope_scaling or {})
+    kind = scaling.get("rope_type", "default")
+    attention_factor = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = jnp.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        is_medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = jnp.where(is_medium, smoothed, inv_freq)
+    elif kind == "yarn":
+        factor = scaling["factor"]
+        old_ctx = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+
+        def correction_dim(rotations):
+            return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (
+                2 * math.log(config.rope_theta))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / max(high - low, 1e-3),
+                        0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        attention_factor = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
+    return inv_freq, attention_factor
+
+
+def apply_rope(x, positions, inv_freq, attention_factor=1.0):
+    """x [T, H, D], positions [T] -> x rotated (HF `rotate_half` convention: halves, not pairs)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = (jnp.cos(emb) * attention_factor).astype(x.dtype)[:, None, :]
+    sin = (jnp.sin(emb) * attention_factor).astype(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias,
+                             dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias,
+                             dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias,
+                             dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias,
+                             dtype=dtype, rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.config = c
+
+    def __call__(self, x, positions, kv_pages, md: AttentionMetadata):
+        T = x.shape[0]
+        q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq, rope_factor = rope_inv_freq(self.config)  # constants under jit
+        q = apply_rope(q, positions, inv_freq, rope_factor)
+        k = apply_rope(k, positions, inv_freq, rope_factor)
+        out, k_pages, v_pages = ragged_paged_attention(
+            q, k, v, *kv_pages, md,
+            sm_scale=self.head_dim ** -0.5, sliding_window=self.config.sliding_window,
+        )
+        return self.o_proj(out.reshape(T, -1)), (k_pages, v_pages)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias,
+                                dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias,
+                              dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias,
+                                dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

