@@ -47,10 +47,14 @@ def write_checkpoint(path: Path, layers: int, hidden: int, vocab: int):
     for i in range(layers):
         p = f"model.layers.{i}."
         save(f"layer{i}.safetensors", {
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter)})
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))

@@ -93,6 +93,11 @@ def ragged_paged_attention_reference(
 
     token_seq, q_pos, valid = token_positions(md, T)
     kv_pos = jnp.arange(ctx, dtype=jnp.int32)
+    # Zero the slots past each live sequence's length: pages may hold anything there
+    # (NaN included), and a masked probability of 0 times NaN would still be NaN.
+    live_kv = (kv_pos[None, :] < md.kv_lens[:, None]) & (jnp.arange(S) < md.num_seqs[0])[:, None]
+    k_all = jnp.where(live_kv[:, :, None, None], k_all, 0)
+    v_all = jnp.where(live_kv[:, :, None, None], v_all, 0)
     mask = (token_seq[:, None] == jnp.arange(S)[None, :])[:, :, None]  # [T, S, 1]
     mask &= kv_pos[None, None, :] <= q_pos[:, None, None]
     mask &= kv_pos[None, None, :] < md.kv_lens[None, :, None]

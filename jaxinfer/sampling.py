@@ -50,15 +50,14 @@ def sample(logits, temperature, top_k, top_p, seeds, steps):
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
     vocab = logits.shape[-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     probs = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], probs, 0.0)
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     # Keep token i of the sorted list if the mass before it is < top_p.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = (mass_before < top_p[:, None]) & (jnp.arange(vocab)[None, :] < k[:, None])
-    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    threshold = jnp.minimum(kth, jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], -1))
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # <= k
+    threshold = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
     masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
     drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)

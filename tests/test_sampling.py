@@ -1,0 +1,253 @@
+"""`sample()` and `SamplingParams` validation; expected sets and distributions come from NumPy."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling import SamplingParams, sample
+
+_sample = jax.jit(sample)
+
+
+def draw(logits, temperature, top_k, top_p, seeds, steps):
+    """Broadcasts scalars to [S] and calls the sampler; returns numpy int ids [S]."""
+    logits = np.asarray(logits, np.float32)
+    S = logits.shape[0]
+
+    def vec(x, dt):
+        return np.broadcast_to(np.asarray(x, dt), (S,)).copy()
+
+    ids = _sample(logits, vec(temperature, np.float32), vec(top_k, np.int32),
+                  vec(top_p, np.float32), vec(seeds, np.int32), vec(steps, np.int32))
+    assert ids.shape == (S,) and ids.dtype == np.int32
+    ids = np.asarray(ids)
+    assert ((ids >= 0) & (ids < logits.shape[1])).all()
+    return ids
+
+
+def softmax(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def allowed_probs(logits, temperature, top_k, top_p):
+    """NumPy spec: the distribution sampled from (float64) for one row."""
+    p = softmax(np.asarray(logits, np.float64) / temperature)
+    order = np.argsort(-p, kind="stable")
+    k = len(p) if top_k <= 0 else min(top_k, len(p))
+    keep = np.zeros(len(p), bool)
+    keep[order[:k]] = True
+    q = np.where(keep, p, 0.0)
+    q /= q.sum()
+    # Smallest prefix of the sorted (renormalized) list whose mass reaches top_p.
+    cum = np.cumsum(q[order[:k]])
+    n = int(np.searchsorted(cum, top_p - 1e-12)) + 1
+    n = min(n, k)
+    keep = np.zeros(len(p), bool)
+    keep[order[:n]] = True
+    q = np.where(keep, q, 0.0)
+    return q / q.sum()
+
+
+def logits_clear_of_top_p(rng, vocab, top_p, temperature=1.0, top_k=0, margin=0.02):
+    """Random logits whose cumulative sorted mass is not within `margin` of top_p
+    (so float32 rounding cannot decide the boundary)."""
+    for _ in range(1000):
+        x = rng.standard_normal(vocab) * 2.0
+        p = softmax(x / temperature)
+        if top_k > 0:
+            srt = np.sort(p)[::-1][:top_k]
+            srt = srt / srt.sum()
+        else:
+            srt = np.sort(p)[::-1]
+        cum = np.cumsum(srt)[:-1]  # the full mass (1.0) always reaches top_p <= 1
+        if cum.size == 0 or np.abs(cum - top_p).min() > margin:
+            return x.astype(np.float32)
+    raise AssertionError("could not draw logits")
+
+
+def test_greedy_rows_are_argmax():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((64, 100)).astype(np.float32) * 3
+    top_k = rng.integers(0, 10, 64)
+    top_p = rng.uniform(0.1, 1.0, 64)
+    ids = draw(logits, 0.0, top_k, top_p, np.arange(64), rng.integers(0, 100, 64))
+    np.testing.assert_array_equal(ids, logits.argmax(-1))
+
+
+def test_greedy_rows_in_mixed_batch():
+    rng = np.random.default_rng(1)
+    S = 64
+    logits = rng.standard_normal((S, 50)).astype(np.float32)
+    temperature = np.where(np.arange(S) % 2 == 0, 0.0, 5.0).astype(np.float32)
+    ids = draw(logits, temperature, 0, 1.0, np.arange(S), 0)
+    greedy = temperature == 0
+    np.testing.assert_array_equal(ids[greedy], logits[greedy].argmax(-1))
+    # The hot rows really sample (at temperature 5 over 50 near-flat tokens most are not argmax).
+    assert (ids[~greedy] != logits[~greedy].argmax(-1)).sum() > S // 4
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 10.0])
+def test_top_k_1_is_argmax(temperature):
+    rng = np.random.default_rng(2)
+    S = 128
+    logits = rng.standard_normal((S, 40)).astype(np.float32)
+    ids = draw(logits, temperature, 1, 1.0, np.arange(S), np.arange(S) * 7)
+    np.testing.assert_array_equal(ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("k", [2, 5, 17])
+def test_top_k_draws_within_top_k(k):
+    rng = np.random.default_rng(3 + k)
+    vocab, S = 64, 1024
+    row = rng.standard_normal(vocab).astype(np.float32)
+    logits = np.tile(row, (S, 1))
+    ids = draw(logits, 3.0, k, 1.0, np.arange(S), 5)
+    top = set(np.argsort(-row)[:k].tolist())
+    outside = sorted(set(ids.tolist()) - top)
+    assert not outside, f"drawn outside top-{k}: {outside}"
+    # Not vacuous: at temperature 3 every one of the k tokens shows up.
+    assert set(ids.tolist()) == top
+
+
+def test_top_k_per_row():
+    rng = np.random.default_rng(4)
+    vocab, S = 32, 512
+    logits = rng.standard_normal((S, vocab)).astype(np.float32)
+    top_k = rng.integers(1, 6, S)
+    ids = draw(logits, 2.0, top_k, 1.0, np.arange(S), 0)
+    rank = (logits > logits[np.arange(S), ids][:, None]).sum(-1)  # 0 = the highest
+    assert (rank < top_k).all(), np.argwhere(rank >= top_k)[:5].ravel()
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.6, 0.9])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_top_p_draws_within_nucleus(top_p, temperature):
+    rng = np.random.default_rng(int(top_p * 100) + int(temperature))
+    vocab, S = 32, 1024
+    row = logits_clear_of_top_p(rng, vocab, top_p, temperature, margin=0.005)
+    spec = allowed_probs(row, temperature, 0, top_p)
+    nucleus = set(np.flatnonzero(spec > 0).tolist())
+    assert len(nucleus) < vocab
+    ids = draw(np.tile(row, (S, 1)), temperature, 0, top_p, np.arange(S), 3)
+    outside = sorted(set(ids.tolist()) - nucleus)
+    assert not outside, (f"top_p={top_p} T={temperature}: nucleus {sorted(nucleus)}, "
+                         f"drew {outside} ({np.isin(ids, outside).sum()} of {S} draws)")
+
+
+@pytest.mark.parametrize("top_k,top_p", [(8, 0.5), (3, 0.95), (20, 0.7)])
+def test_top_k_then_top_p(top_k, top_p):
+    rng = np.random.default_rng(top_k)
+    vocab, S = 48, 1024
+    row = logits_clear_of_top_p(rng, vocab, top_p, 1.0, top_k)
+    spec = allowed_probs(row, 1.0, top_k, top_p)
+    allowed = set(np.flatnonzero(spec > 0).tolist())
+    ids = draw(np.tile(row, (S, 1)), 1.0, top_k, top_p, np.arange(S), 0)
+    outside = sorted(set(ids.tolist()) - allowed)
+    assert not outside, f"allowed {sorted(allowed)}, drew {outside}"
+
+
+def test_top_p_1_and_top_k_0_do_not_filter():
+    """With the filters off, a near-flat distribution reaches every token."""
+    vocab, S = 8, 2000
+    row = np.linspace(0, 0.5, vocab).astype(np.float32)
+    ids = draw(np.tile(row, (S, 1)), 1.0, 0, 1.0, np.arange(S), 0)
+    assert set(ids.tolist()) == set(range(vocab))
+    ids = draw(np.tile(row, (S, 1)), 1.0, -1, 1.0, np.arange(S), 0)
+    assert set(ids.tolist()) == set(range(vocab))
+
+
+def test_same_seed_and_step_is_deterministic():
+    rng = np.random.default_rng(5)
+    S, vocab = 256, 100
+    logits = rng.standard_normal((S, vocab)).astype(np.float32)
+    seeds = rng.integers(0, 2**31 - 1, S)
+    steps = rng.integers(0, 1000, S)
+    a = draw(logits, 1.5, 0, 1.0, seeds, steps)
+    b = draw(logits, 1.5, 0, 1.0, seeds, steps)
+    np.testing.assert_array_equal(a, b)
+    # Per request: a row's token does not depend on the rest of the batch.
+    perm = rng.permutation(S)
+    c = draw(logits[perm], 1.5, 0, 1.0, seeds[perm], steps[perm])
+    np.testing.assert_array_equal(c, a[perm])
+    single = np.array([draw(logits[i:i + 1], 1.5, 0, 1.0, seeds[i], steps[i])[0]
+                       for i in range(8)])
+    np.testing.assert_array_equal(single, a[:8])
+
+
+def test_different_steps_and_seeds_give_different_draws():
+    S, vocab = 512, 64
+    logits = np.zeros((S, vocab), np.float32)  # uniform: two independent draws agree ~1/64
+    seeds = np.arange(S)
+    a = draw(logits, 1.0, 0, 1.0, seeds, 0)
+    b = draw(logits, 1.0, 0, 1.0, seeds, 1)
+    assert (a == b).mean() < 0.1, (a == b).mean()
+    # Same seed for every row, different steps: different tokens too.
+    c = draw(logits, 1.0, 0, 1.0, 42, np.arange(S))
+    assert len(set(c.tolist())) > vocab // 2
+    # Different seeds, same step.
+    d = draw(logits, 1.0, 0, 1.0, seeds + 1000, 0)
+    assert (a == d).mean() < 0.1
+    assert len(set(a.tolist())) > vocab // 2
+
+
+def chi_square(ids, probs):
+    n = len(ids)
+    counts = np.bincount(ids, minlength=len(probs))
+    support = probs > 0
+    outside = np.flatnonzero(counts * ~support)
+    assert counts[~support].sum() == 0, f"draws outside support: {outside}"
+    exp = n * probs[support]
+    return float(((counts[support] - exp) ** 2 / exp).sum()), int(support.sum()) - 1
+
+
+# chi-square 99.9% quantiles by degrees of freedom (fixed seeds: deterministic anyway).
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (2.0, 0, 1.0), (1.0, 4, 1.0), (1.0, 0, 0.8), (1.5, 5, 0.9),
+])
+def test_frequencies_match_softmax(temperature, top_k, top_p):
+    rng = np.random.default_rng(7)
+    vocab, n = 6, 2000
+    row = logits_clear_of_top_p(rng, vocab, top_p, temperature, top_k, margin=0.03)
+    probs = allowed_probs(row, temperature, top_k, top_p)
+    assert (probs > 0).sum() >= 2
+    ids = draw(np.tile(row, (n, 1)), temperature, top_k, top_p, 1234, np.arange(n))
+    stat, dof = chi_square(ids, probs)
+    assert stat < CHI2_999[dof], (stat, dof, np.bincount(ids, minlength=vocab) / n, probs)
+
+
+def test_chi_square_detects_wrong_distribution():
+    """The check above is not toothless: the right draws fail against a wrong temperature."""
+    rng = np.random.default_rng(7)
+    vocab, n = 6, 2000
+    row = rng.standard_normal(vocab).astype(np.float32) * 2
+    ids = draw(np.tile(row, (n, 1)), 1.0, 0, 1.0, 1234, np.arange(n))
+    assert chi_square(ids, allowed_probs(row, 1.0, 0, 1.0))[0] < CHI2_999[5]
+    assert chi_square(ids, allowed_probs(row, 2.0, 0, 1.0))[0] > CHI2_999[5]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-0.1), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=-0.5),
+    dict(top_p=1.01), dict(top_p=2.0), dict(max_tokens=0), dict(max_tokens=-3), dict(top_k=-2),
+])
+def test_sampling_params_rejects(kwargs):
+    with pytest.raises(JaxinferError) as e:
+        SamplingParams(**kwargs)
+    assert next(iter(kwargs)) in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(temperature=0.0), dict(top_p=1.0), dict(top_p=1e-3), dict(top_k=-1),
+    dict(top_k=0), dict(top_k=50), dict(max_tokens=1), dict(temperature=2.0, seed=3),
+])
+def test_sampling_params_accepts(kwargs):
+    p = SamplingParams(**kwargs)
+    for k, v in kwargs.items():
+        assert getattr(p, k) == v
