@@ -43,9 +43,15 @@ def sample(logits, temperature, top_k, top_p, seeds, steps):
 
     Rows with temperature 0 take the argmax. Others: scale by temperature, keep
     the top_k highest (0 = all), then the smallest set whose probability reaches
-    top_p, and draw from what is left.
+    top_p, and draw from what is left. An all-greedy batch skips the vocabulary sort.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.lax.cond(jnp.any(temperature > 0), _draw, lambda *_: greedy,
+                         logits, temperature, top_k, top_p, seeds, steps)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _draw(logits, temperature, top_k, top_p, seeds, steps):
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
     vocab = logits.shape[-1]
@@ -60,5 +66,4 @@ def sample(logits, temperature, top_k, top_p, seeds, steps):
     threshold = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
     masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
-    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
