@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from jaxinfer.cli.bench import bench as _bench_group
 from jaxinfer.errors import JaxinferError
 
 
@@ -87,6 +88,9 @@ def convert(src, out, dtype):
 
     path = convert_checkpoint(src, out, dtype=dtype)
     click.echo(f"wrote {path}")
+
+
+cli.add_command(_bench_group)
 
 
 if __name__ == "__main__":

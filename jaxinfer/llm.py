@@ -9,6 +9,7 @@ from pathlib import Path
 from jaxinfer.checkpoint import load_model
 from jaxinfer.engine import Engine, Request
 from jaxinfer.errors import JaxinferError
+from jaxinfer.models import Decoder
 from jaxinfer.runner import ModelRunner, SeqChunk
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
@@ -29,22 +30,25 @@ class LLM:
     model's context, capped by what the cache holds.
     """
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str | None = None,
+    def __init__(self, model: str | Path | Decoder | None = None, *, dtype: str | None = None,
                  page_size: int = 16, kv_cache_bytes: int = 1 << 30,
                  max_model_len: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512):
-        if model is None:
-            from jaxinfer.default_model import default_model_path
-            model = default_model_path()
-        self.path = Path(model)
-        self.model = load_model(self.path, dtype=dtype)
-        self.config = c = self.model.config
-        if self.path.is_file():
-            self.tokenizer = _gguf_tokenizer(self.path)
-        elif (self.path / "tokenizer.json").exists():
-            self.tokenizer = Tokenizer.from_dir(self.path)
+        if isinstance(model, Decoder):  # e.g. a random-weight preset (jaxinfer.presets)
+            self.path, self.model, self.tokenizer = None, model, None
         else:
-            self.tokenizer = None  # token-id prompts only
+            if model is None:
+                from jaxinfer.default_model import default_model_path
+                model = default_model_path()
+            self.path = Path(model)
+            self.model = load_model(self.path, dtype=dtype)
+            if self.path.is_file():
+                self.tokenizer = _gguf_tokenizer(self.path)
+            elif (self.path / "tokenizer.json").exists():
+                self.tokenizer = Tokenizer.from_dir(self.path)
+            else:
+                self.tokenizer = None  # token-id prompts only
+        self.config = c = self.model.config
         itemsize = self.model.embed.embedding.dtype.itemsize
         page_bytes = 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * itemsize
         num_pages = max(kv_cache_bytes // page_bytes, 1)
@@ -62,7 +66,8 @@ class LLM:
         if isinstance(prompt, list):
             return list(prompt)
         if self.tokenizer is None:
-            raise JaxinferError(f"{self.path}: no tokenizer.json, so prompts must be token ids")
+            raise JaxinferError(f"{self.path or 'the model'}: no tokenizer, so prompts must be "
+                                "token ids")
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:

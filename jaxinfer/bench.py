@@ -1,0 +1,202 @@
+"""Benchmarks: device ceilings, kernels against them, end-to-end latency and throughput.
+
+Kernel times are device-side on GPUs (CUPTI through `jax.experimental.mosaic.gpu.profiler`,
+kernel time only) and host-side elsewhere; model steps are wall-clock (what a user waits
+for). Every figure is a median; every run measures its own ceilings, and each result is
+printed with a roofline line: bytes and FLOPs per step and the % of each ceiling reached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
+from jaxinfer.linear import linear
+from jaxinfer.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Ceilings:
+    copy_bytes_per_s: float  # device-to-device copy, bytes read + written
+    matmul_flops_per_s: float  # bf16 matmul through XLA
+
+    def line(self) -> str:
+        return (f"ceilings: copy {self.copy_bytes_per_s / 1e9:.1f} GB/s, "
+                f"bf16 matmul {self.matmul_flops_per_s / 1e12:.2f} TFLOP/s")
+
+
+def median_seconds(fn, *args, iters: int = 20, warmup: int = 3) -> float:
+    """Median time of fn(*args): device kernel time on GPU, host time with a sync elsewhere."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    if jax.default_backend() == "gpu":
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times_ms = profiler.measure(fn, iterations=iters)(*args)
+        return statistics.median(times_ms) / 1e3
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None) -> Ceilings:
+    """Copy bandwidth (a buffer several times the L2) and the bf16 matmul rate, measured now."""
+    gpu = jax.default_backend() == "gpu"
+    copy_bytes = copy_bytes or (2 << 30 if gpu else 64 << 20)
+    matmul_n = matmul_n or (8192 if gpu else 1024)
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (copy_bytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * 2)  # one read and one write per element
+    t_copy = median_seconds(copy, x)
+    del x
+    a = jax.random.normal(key, (matmul_n, matmul_n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (matmul_n, matmul_n), jnp.bfloat16)
+    t_mm = median_seconds(jax.jit(jnp.matmul), a, b, iters=10)
+    return Ceilings(2 * copy_bytes / t_copy, 2 * matmul_n**3 / t_mm)
+
+
+def roofline(name: str, seconds: float, bytes_moved: float, flops: float, c: Ceilings) -> dict:
+    """One measured thing against both ceilings."""
+    floor = max(bytes_moved / c.copy_bytes_per_s, flops / c.matmul_flops_per_s)
+    return {
+        "name": name, "time_us": seconds * 1e6, "bytes": bytes_moved, "flops": flops,
+        "pct_copy_bw": 100 * bytes_moved / seconds / c.copy_bytes_per_s,
+        "pct_matmul": 100 * flops / seconds / c.matmul_flops_per_s,
+        "floor_us": floor * 1e6, "pct_of_floor": 100 * floor / seconds,
+    }
+
+
+def format_rows(rows: list[dict]) -> str:
+    out = ["| what | time (us) | MB moved | GFLOP | % copy BW | % bf16 matmul | floor (us) "
+           "| floor / time |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        out.append(f"| {r['name']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+                   f"{r['flops'] / 1e9:.2f} | {r['pct_copy_bw']:.1f} | {r['pct_matmul']:.1f} | "
+                   f"{r['floor_us']:.1f} | {r['pct_of_floor']:.0f}% |")
+    return "\n".join(out)
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+def attention_decode_case(batch, ctx, hq, hkv, d, page_size, dtype, seed=0):
+    """Inputs for one decode step: `batch` sequences of `ctx` cached tokens, pages shuffled."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-(ctx + 1) // page_size)
+    num_pages = batch * pages_per_seq
+    key = jax.random.key(seed)
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (batch, hq, d), dtype)
+    k = jax.random.normal(ks[1], (batch, hkv, d), dtype)
+    v = jax.random.normal(ks[2], (batch, hkv, d), dtype)
+    k_pages = jax.random.normal(ks[3], (num_pages, page_size, hkv, d), dtype)
+    v_pages = jax.random.normal(ks[4], (num_pages, page_size, hkv, d), dtype)
+    md = AttentionMetadata(
+        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
+        kv_lens=jnp.full((batch,), ctx + 1, jnp.int32),
+        page_indices=jnp.asarray(rng.permutation(num_pages).reshape(batch, pages_per_seq),
+                                 jnp.int32),
+        num_seqs=jnp.array([batch], jnp.int32))
+    kv_bytes = 2 * batch * (ctx + 1) * hkv * d * jnp.dtype(dtype).itemsize
+    flops = 4 * batch * (ctx + 1) * hq * d
+    return (q, k, v, k_pages, v_pages, md), kv_bytes, flops
+
+
+def bench_kernels(ceilings: Ceilings, backend: str = "reference", small: bool = False) -> list:
+    """Attention (decode) and linear layers against the ceilings. backend: 'reference' today."""
+    if backend != "reference":
+        raise ValueError(f"backend {backend!r}: only 'reference' exists so far")
+    rows = []
+    dtype = jnp.bfloat16
+    shapes = [(8, 256, 8, 2, 64)] if small else [(64, 2048, 32, 8, 128), (8, 32768, 32, 8, 128)]
+    for batch, ctx, hq, hkv, d in shapes:
+        args, kv_bytes, flops = attention_decode_case(batch, ctx, hq, hkv, d, 16, dtype)
+        fn = jax.jit(lambda *a, d=d: ragged_paged_attention(*a, sm_scale=d ** -0.5)[0])
+        t = median_seconds(fn, *args)
+        rows.append(roofline(f"attention decode ref B={batch} ctx={ctx} Hq={hq} Hkv={hkv} D={d}",
+                             t, kv_bytes, flops, ceilings))
+    mats = [(1, 256, 256), (64, 256, 256)] if small else [
+        (m, 8192, 8192) for m in (1, 16, 128, 4096)]
+    key = jax.random.key(1)
+    for m, n, k in mats:
+        x = jax.random.normal(key, (m, k), dtype)
+        w = jax.random.normal(jax.random.fold_in(key, 1), (n, k), dtype)
+        t = median_seconds(jax.jit(linear), x, w)
+        rows.append(roofline(f"linear ref bf16 M={m} N={n} K={k}", t,
+                             2 * (m * k + n * k + m * n), 2 * m * n * k, ceilings))
+    return rows
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+def weight_bytes(model) -> int:
+    from flax import nnx
+
+    return sum(v.size * v.dtype.itemsize
+               for _, v in nnx.state(model, nnx.Param).flat_state())
+
+
+def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ceilings,
+                  seed: int = 0) -> tuple[dict, list[dict]]:
+    """Time to first token and per-token decode time for `batch` prompts of input_len tokens."""
+    c = llm.config
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+    def run():
+        """Returns (seconds until every request has its first token, later step times)."""
+        for _ in range(batch):
+            llm.engine.add_request(rng.integers(2, c.vocab_size, input_len).tolist(), params)
+        start, waiting_first, ttft, decode_steps = time.perf_counter(), batch, None, []
+        while llm.engine.has_unfinished():
+            t = time.perf_counter()
+            updates = llm.engine.step()  # returns after the sampled ids reach the host
+            if ttft is not None:
+                decode_steps.append(time.perf_counter() - t)
+            waiting_first -= sum(len(r.output_ids) == 1 for r, _ in updates)
+            if ttft is None and waiting_first == 0:
+                ttft = time.perf_counter() - start
+        return ttft, decode_steps
+
+    run()  # compile every bucket this shape touches
+    ttft, steps = run()
+    itl = statistics.median(steps) if steps else float("nan")
+    w_bytes = weight_bytes(llm.model)
+    itemsize = llm.model.embed.embedding.dtype.itemsize
+    kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+    mid_ctx = input_len + output_len // 2
+    step_bytes = w_bytes + batch * mid_ctx * kv_token
+    attn_flops = 4 * batch * mid_ctx * c.num_heads * c.head_dim * c.num_layers
+    step_flops = 2 * (w_bytes / itemsize) * batch + attn_flops
+    summary = {"batch": batch, "input_len": input_len, "output_len": output_len,
+               "ttft_ms": ttft * 1e3, "itl_ms": itl * 1e3, "tokens_per_s": batch / itl,
+               "weight_bytes": w_bytes}
+    rows = [roofline(f"decode step B={batch} (ctx ~{mid_ctx})", itl, step_bytes, step_flops,
+                     ceilings)]
+    return summary, rows
+
+
+def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
+                     seed: int = 0) -> dict:
+    """Offline: num_requests prompts, lengths uniform in [input_len/2, input_len], all at once."""
+    rng = np.random.default_rng(seed)
+    c = llm.config
+    lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
+    prompts = [rng.integers(2, c.vocab_size, n).tolist() for n in lens]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[: min(4, num_requests)], params)  # warm up the common buckets
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t
+    generated = sum(len(o.token_ids) for o in outs)
+    return {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
+            "seconds": elapsed, "output_tokens_per_s": generated / elapsed,
+            "requests_per_s": num_requests / elapsed}

@@ -1,0 +1,68 @@
+"""Random-weight models of named shapes, built directly on the device (no checkpoint needed),
+so large-model performance can be measured without weights.
+
+MoE presets (qwen3-30b-a3b, mixtral-8x7b, gpt-oss-20b) arrive with the MoE models.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+from jaxinfer.models import Decoder
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama3-8b": ModelConfig(
+        family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE, eos_token_ids=(128001,)),
+    "llama3-70b": ModelConfig(
+        family="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=_LLAMA3_ROPE, eos_token_ids=(128001,)),
+    "qwen3-8b": ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        qk_norm=True, eos_token_ids=(151645,)),
+    # Small enough for CPU smoke tests.
+    "tiny": ModelConfig(
+        family="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        eos_token_ids=(1,)),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise JaxinferError(f"--preset {name!r}: expected one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
+                 sharding: jax.sharding.Sharding | None = None) -> Decoder:
+    """A Decoder with random weights generated on the device, one parameter at a time.
+
+    Matrices ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.02^2) (never zeros).
+    """
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    flat = nnx.state(model, nnx.Param).flat_state()
+    key = jax.random.key(seed)
+    filled = []
+    for i, (path, var) in enumerate(flat):
+        shape, offset = var.shape, 1.0 if len(var.shape) == 1 else 0.0
+        make = jax.jit(lambda k, shape=shape, offset=offset: (
+            offset + 0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype),
+            out_shardings=sharding)
+        filled.append((path, var.replace(make(jax.random.fold_in(key, i)))))
+    nnx.update(model, nnx.State.from_flat_path(filled))
+    return model

@@ -1,0 +1,63 @@
+"""`jaxinfer bench` on CPU with a tiny random preset: checks the report's fields, not the speed."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from jaxinfer.cli.main import cli
+
+ROW_FIELDS = {"name", "time_us", "bytes", "flops", "pct_copy_bw", "pct_matmul", "floor_us",
+              "pct_of_floor"}
+
+
+def _run(args, tmp_path):
+    out = tmp_path / "result.json"
+    record = tmp_path / "RESULTS.md"
+    result = CliRunner().invoke(cli, ["bench", *args, "--json", str(out), "--record", str(record)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {"date", "device", "jax", "command"} <= set(data)
+    assert data["command"].startswith("jaxinfer ")
+    assert "| what | time (us) |" in result.output and "ceilings: copy" in result.output
+    assert record.read_text().count("| what | time (us) |") == 1
+    return data
+
+
+def _check_rows(rows):
+    assert rows
+    for r in rows:
+        assert set(r) == ROW_FIELDS
+        assert r["time_us"] > 0 and r["bytes"] > 0 and r["flops"] > 0
+        assert 0 < r["pct_of_floor"] <= 100 * 1.5  # host timing noise aside, under the floor
+
+
+def test_bench_kernels_reference(tmp_path):
+    data = _run(["kernels", "--backend", "reference", "--small"], tmp_path)
+    assert data["ceilings"]["copy_bytes_per_s"] > 0 and data["ceilings"]["matmul_flops_per_s"] > 0
+    _check_rows(data["rows"])
+    assert any(r["name"].startswith("attention") for r in data["rows"])
+
+
+def test_bench_latency_tiny(tmp_path):
+    data = _run(["latency", "--preset", "tiny", "--input-len", "20", "--output-len", "6",
+                 "--kv-cache-gb", "0.01"], tmp_path)
+    assert data["ttft_ms"] > 0 and data["itl_ms"] > 0 and data["tokens_per_s"] > 0
+    _check_rows(data["rows"])
+
+
+def test_bench_throughput_tiny(tmp_path):
+    out = tmp_path / "result.json"
+    result = CliRunner().invoke(cli, ["bench", "throughput", "--preset", "tiny",
+                                      "--num-requests", "6", "--input-len", "12",
+                                      "--output-len", "4", "--kv-cache-gb", "0.01",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0
+
+
+def test_bench_rejects_model_and_preset(tmp_path):
+    result = CliRunner().invoke(cli, ["bench", "latency", "--preset", "tiny", "--model", "x"])
+    assert result.exit_code == 1 and "not both" in result.output
