@@ -6,6 +6,8 @@ MoE presets (qwen3-30b-a3b, mixtral-8x7b, gpt-oss-20b) arrive with the MoE model
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -56,13 +58,14 @@ def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
     flat = nnx.state(model, nnx.Param).flat_state()
+
+    @functools.partial(jax.jit, static_argnums=(1,), out_shardings=sharding)
+    def make(key, shape):  # one compile per distinct shape
+        offset = 1.0 if len(shape) == 1 else 0.0
+        return (offset + 0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
     key = jax.random.key(seed)
-    filled = []
-    for i, (path, var) in enumerate(flat):
-        shape, offset = var.shape, 1.0 if len(var.shape) == 1 else 0.0
-        make = jax.jit(lambda k, shape=shape, offset=offset: (
-            offset + 0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype),
-            out_shardings=sharding)
-        filled.append((path, var.replace(make(jax.random.fold_in(key, i)))))
+    filled = [(path, var.replace(make(jax.random.fold_in(key, i), tuple(var.shape))))
+              for i, (path, var) in enumerate(flat)]
     nnx.update(model, nnx.State.from_flat_path(filled))
     return model
