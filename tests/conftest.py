@@ -56,6 +56,17 @@ def make_hf_model(family: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+def pytest_collection_modifyitems(config, items):
+    """`pytest -m gpu` runs the GPU tests; without a GPU they are skipped, not failed."""
+    import jax
+
+    has_gpu = jax.default_backend() == "gpu"
+    skip = pytest.mark.skip(reason="no GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     """family -> directory of a tiny HF checkpoint (built once per session)."""

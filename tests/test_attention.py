@@ -238,11 +238,17 @@ def run(case: Case, b):
             np.asarray(vp.astype(jnp.float32)))
 
 
+PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_oracle(name):
+def test_matches_oracle(name, platform):
     case = CASES[name]
     b = build(case)
-    out, kp, vp = run(case, b)
+    # Full float32 matmuls on GPUs too (their default is TF32 for float32 dots).
+    with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
+        out, kp, vp = run(case, b)
     live = out[:b["live_tokens"]]
 
     # (c) no NaN / inf in live outputs, whatever the pages held.
