@@ -14,6 +14,7 @@ beside OUT and renamed into place at the end, so a failure leaves nothing behind
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -69,9 +70,9 @@ def _key(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _checked_tensors(source, config: ModelConfig, dtype):
+def _checked_tensors(source, config: ModelConfig, dtype, want: dict | None = None):
     """Source tensors cast to dtype, each checked against the model's shape; all must appear."""
-    want = expected_shapes(config)
+    want = want or expected_shapes(config)
     seen = set()
     for key, array, file in source.tensors():
         if key not in want:
@@ -103,18 +104,20 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
     source = open_source(src)
     config = source.config
     tokenizer_files = source.tokenizer_files()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         ocp = _ocp()
         weights = tmp / WEIGHTS_DIR
         group, group_bytes = {}, 0
-        total = len(expected_shapes(config))
-        bar = tqdm(total=total, desc=f"convert {Path(src).name}", unit="tensor",
+        want = expected_shapes(config)
+        bar = tqdm(total=len(want), desc=f"convert {Path(src).name}", unit="tensor",
                    disable=not progress)
         with bar, warnings.catch_warnings():  # the bar ends its line before any error
             warnings.simplefilter("ignore")  # Orbax's experimental-API notices
-            for key, array in _checked_tensors(source, config, DTYPES[dtype]):
+            for key, array in _checked_tensors(source, config, DTYPES[dtype], want):
                 group[key] = array
                 group_bytes += array.nbytes
                 bar.update(1)
@@ -128,15 +131,21 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
         for name, data in tokenizer_files.items():
             (tmp / name).write_bytes(data)
         os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # innermost first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        if isinstance(e, OSError):
+            raise JaxinferError(f"{out}: cannot write checkpoint ({e})") from None
         raise
     return out
 
 
-def load_model(path: str | Path, dtype: str | None = None,
+def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = None,
                sharding: jax.sharding.Sharding | None = None) -> Decoder:
-    """Loads a converted dir, an HF dir or a .gguf file into a Decoder.
+    """Loads a converted dir, an HF dir or a .gguf file (a path, or a source already open).
 
     Arrays go straight to `sharding` (default: the first device): Orbax restores
     each one into its target sharding, and direct HF/GGUF loads place tensors
@@ -144,7 +153,10 @@ def load_model(path: str | Path, dtype: str | None = None,
     `dtype` defaults to the stored dtype (converted) or bfloat16 (HF/GGUF).
     """
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    path = Path(path)
+    if isinstance(path, HFSource | GGUFSource):
+        source, path = path, path.path
+    else:
+        path, source = Path(path), None
     if is_converted(path):
         config = ModelConfig.from_json_file(path / CONFIG_FILE)
         weights_dir = path / WEIGHTS_DIR
@@ -164,7 +176,7 @@ def load_model(path: str | Path, dtype: str | None = None,
         except Exception as e:
             raise JaxinferError(f"{weights_dir}: cannot read checkpoint ({e})") from None
     else:
-        source = open_source(path)
+        source = source or open_source(path)
         config = source.config
         np_dtype = DTYPES[dtype or "bfloat16"]
         params = {k: jax.device_put(a, sharding)

@@ -23,7 +23,23 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope_type -> the rope_scaling keys it needs.
+ROPE_KEYS = {"default": (), "linear": ("factor",), "yarn": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                        "original_max_position_embeddings")}
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file, or a one-line JaxinferError naming the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise JaxinferError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise JaxinferError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise JaxinferError(f"{path}: expected a JSON object")
+    return data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +73,26 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_kv_heads}"
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
+        if rope_type not in ROPE_KEYS:
             raise JaxinferError(f"rope_scaling.rope_type={rope_type!r} is not supported")
+        missing = [k for k in ROPE_KEYS[rope_type] if k not in self.rope_scaling]
+        if missing:
+            raise JaxinferError(f"rope_scaling ({rope_type}) is missing {', '.join(missing)}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     @classmethod
     def from_json_file(cls, path: Path) -> ModelConfig:
-        try:
-            d = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise JaxinferError(f"{path}: cannot read model config ({e})") from None
+        d = read_json(path)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(d) - fields):
+            raise JaxinferError(f"{path}: unknown field {unknown[0]!r}")
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as e:  # a required field is missing
+            raise JaxinferError(f"{path}: {e}") from None
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -105,8 +127,12 @@ def config_from_hf(d: dict[str, Any], source: str = "config.json") -> ModelConfi
         rope = {}
     sliding_window = d.get("sliding_window")
     if family == "qwen2" or family == "qwen3":
-        # Qwen declares a window but only uses it when use_sliding_window is set.
-        sliding_window = sliding_window if d.get("use_sliding_window") else None
+        # Qwen declares a window but only uses it when use_sliding_window is set, and then
+        # only in some layers (max_window_layers / layer_types): not supported yet.
+        if d.get("use_sliding_window"):
+            raise JaxinferError(f"{source}: use_sliding_window=true (a per-layer window) is not "
+                                "supported yet")
+        sliding_window = None
     attention_bias = bool(d.get("attention_bias", False))
     return ModelConfig(
         family=family,

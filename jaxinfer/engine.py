@@ -56,6 +56,9 @@ class PageAllocator:
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids, max_model_len: int,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 512):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise JaxinferError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
+                                f"{max_num_batched_tokens} must both be >= 1")
         self.runner = runner
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
@@ -69,12 +72,15 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         if not prompt_ids:
             raise JaxinferError("prompt is empty")
+        vocab = self.runner.config.vocab_size
+        if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
+            raise JaxinferError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise JaxinferError(f"prompt has {len(prompt_ids)} tokens; the model's context "
                                 f"(max_model_len) is {self.max_model_len}")
         rid = next(self._ids)
-        req = Request(rid, list(prompt_ids), params,
-                      seed=params.seed if params.seed is not None else rid)
+        seed = params.seed if params.seed is not None else rid
+        req = Request(rid, list(prompt_ids), params, seed=seed % 2**31)  # int32 on device
         self.waiting.append(req)
         return req
 

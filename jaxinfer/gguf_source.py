@@ -139,8 +139,11 @@ class GGUFSource:
             raise JaxinferError(f"{self.path}: tokenizer.ggml.pre={pre!r} is not supported")
         tokens = self.meta["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in self.meta["tokenizer.ggml.merges"]]
+        # Llama 3's BPE takes a pre-token that is itself in the vocabulary whole (as HF's
+        # tokenizer.json and llama.cpp do).
         tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                   fuse_unk=False, byte_fallback=False))
+                                   fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre in ("llama-bpe", "llama3")))
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_PRE_TOKENIZERS[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),

@@ -8,7 +8,6 @@ Pickle weights (`pytorch_model.bin`) are never loaded.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +15,9 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from jaxinfer.config import ModelConfig, config_from_hf
+from jaxinfer.config import ModelConfig, config_from_hf, read_json
 from jaxinfer.errors import JaxinferError
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "generation_config.json", "special_tokens_map.json")
+from jaxinfer.tokenizer import TOKENIZER_FILES
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm.scale",
@@ -52,15 +49,6 @@ def hf_key(name: str) -> str | None:
     return f"layers.{layer}.{rest}"
 
 
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise JaxinferError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise JaxinferError(f"{path}: not valid JSON ({e})") from None
-
-
 class HFSource:
     """An HF checkpoint directory."""
 
@@ -68,8 +56,8 @@ class HFSource:
         self.path = Path(path)
         if not self.path.is_dir():
             raise JaxinferError(f"{self.path}: not a directory")
-        self.hf_config = read_json(self.path / "config.json")
-        self.config: ModelConfig = config_from_hf(self.hf_config, str(self.path / "config.json"))
+        self.config: ModelConfig = config_from_hf(read_json(self.path / "config.json"),
+                                                  str(self.path / "config.json"))
         gen = self.path / "generation_config.json"
         if gen.exists():
             eos = read_json(gen).get("eos_token_id")

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxinfer.checkpoint import load_model
+from jaxinfer.checkpoint import is_converted, load_model, open_source
 from jaxinfer.engine import Engine, Request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.models import Decoder
@@ -41,11 +41,15 @@ class LLM:
                 from jaxinfer.default_model import default_model_path
                 model = default_model_path()
             self.path = Path(model)
-            self.model = load_model(self.path, dtype=dtype)
-            if self.path.is_file():
-                self.tokenizer = _gguf_tokenizer(self.path)
-            elif (self.path / "tokenizer.json").exists():
+            if is_converted(self.path):
+                self.model, files = load_model(self.path, dtype=dtype), None
+            else:  # one read of the source for both weights and tokenizer
+                source = open_source(self.path)
+                self.model, files = load_model(source, dtype=dtype), source.tokenizer_files()
+            if files is None and (self.path / "tokenizer.json").exists():
                 self.tokenizer = Tokenizer.from_dir(self.path)
+            elif files and "tokenizer.json" in files:
+                self.tokenizer = Tokenizer.from_files(files, self.path)
             else:
                 self.tokenizer = None  # token-id prompts only
         self.config = c = self.model.config
@@ -75,8 +79,10 @@ class LLM:
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        requests = [self.engine.add_request(self._prompt_ids(p), params) for p in prompts]
+        requests = []
         try:
+            for p in prompts:
+                requests.append(self.engine.add_request(self._prompt_ids(p), params))
             while self.engine.has_unfinished():
                 self.engine.step()
         except BaseException:
@@ -92,7 +98,7 @@ class LLM:
         return self._stream(req)
 
     def _stream(self, req: Request) -> Iterator[str]:
-        decoder = IncrementalDecoder(self.tokenizer)
+        decoder = IncrementalDecoder(self.tokenizer, req.prompt_ids)
         try:
             while not req.finished:
                 for r, tokens in self.engine.step():
@@ -100,6 +106,8 @@ class LLM:
                         delta = decoder.push(self._visible(r, tokens))
                         if delta:
                             yield delta
+            if tail := decoder.flush():
+                yield tail
         finally:
             self.engine.abort(req)
 
@@ -134,19 +142,7 @@ class LLM:
 
     def _output(self, prompt, req: Request) -> RequestOutput:
         text_ids = self._visible(req, req.output_ids)
-        text = self.tokenizer.decode(text_ids) if self.tokenizer else ""
+        text = (IncrementalDecoder(self.tokenizer, req.prompt_ids).text_of(text_ids)
+                if self.tokenizer else "")
         return RequestOutput(prompt, text, list(req.output_ids), req.finish_reason)
 
-
-def _gguf_tokenizer(path: Path) -> Tokenizer:
-    import tempfile
-
-    from jaxinfer.checkpoint import open_source
-
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, data in open_source(path).tokenizer_files().items():
-            (Path(tmp) / name).write_bytes(data)
-        return Tokenizer.from_dir(Path(tmp))
-
-
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -12,6 +12,10 @@ from pathlib import Path
 
 from jaxinfer.errors import JaxinferError
 
+# The tokenizer and generation files a checkpoint carries (copied as they are by `convert`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "generation_config.json", "special_tokens_map.json")
+
 
 def _token_text(value):
     """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
@@ -28,35 +32,36 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
         """Loads tokenizer.json, tokenizer_config.json and chat_template.jinja from a directory."""
+        path = Path(path)
+        return cls.from_files({n: (path / n).read_bytes() for n in TOKENIZER_FILES
+                               if (path / n).exists()}, path)
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], where: Path) -> Tokenizer:
+        """From tokenizer file contents by name (`where` names their place in errors)."""
         from tokenizers import Tokenizer as HFTokenizer
 
-        path = Path(path)
-        tok_file = path / "tokenizer.json"
-        if not tok_file.exists():
-            raise JaxinferError(f"{tok_file}: file not found (the checkpoint has no tokenizer)")
+        if "tokenizer.json" not in files:
+            raise JaxinferError(f"{where}: no tokenizer.json (the checkpoint has no tokenizer)")
         try:
-            tok = HFTokenizer.from_file(str(tok_file))
+            tok = HFTokenizer.from_str(files["tokenizer.json"].decode())
         except Exception as e:
-            raise JaxinferError(f"{tok_file}: cannot load tokenizer ({e})") from None
+            raise JaxinferError(f"{where}/tokenizer.json: cannot load tokenizer ({e})") from None
         cfg = {}
-        if (path / "tokenizer_config.json").exists():
+        if "tokenizer_config.json" in files:
             try:
-                cfg = json.loads((path / "tokenizer_config.json").read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise JaxinferError(f"{path / 'tokenizer_config.json'}: not valid JSON ({e})") \
+                cfg = json.loads(files["tokenizer_config.json"])
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise JaxinferError(f"{where}/tokenizer_config.json: not valid JSON ({e})") \
                     from None
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
-        if (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text()
+        if "chat_template.jinja" in files:
+            template = files["chat_template.jinja"].decode()
         return cls(tok, template, _token_text(cfg.get("bos_token")),
                    _token_text(cfg.get("eos_token")))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -89,23 +94,44 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character.
+    """Turns a growing list of output token ids into text deltas.
 
-    A byte-level tokenizer can end a step in the middle of a multi-byte
-    character; the decoded text then ends in U+FFFD, and we hold it back until
-    the character is complete.
+    Each step decodes only a short window: a few already-emitted tokens as context
+    (starting with the prompt's tail), then the new ones, and emits the text past
+    the context. The context keeps tokenizers that drop a leading space at the
+    start of a decode (SentencePiece) from eating the first space, and the window
+    keeps each step O(1). A byte-level tokenizer can end a step in the middle of a
+    multi-byte character: the text then ends in U+FFFD and is held back until the
+    character is complete.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids=()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
+        self.ids: list[int] = list(prompt_ids)[-self.CONTEXT:]
+        self.prefix_offset = 0  # start of the context window
+        self.read_offset = len(self.ids)  # tokens before this are emitted
 
     def push(self, token_ids) -> str:
         self.ids.extend(token_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        text = decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
             return ""
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return text[len(prefix):]
+
+    def text_of(self, token_ids) -> str:
+        """All of token_ids' text at once (the same text the deltas add up to)."""
+        return "".join(self.push([t]) for t in token_ids) + self.flush()
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character at the very end)."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        text = decode(self.ids[self.prefix_offset:])
+        self.read_offset = len(self.ids)
+        return text[len(prefix):]

@@ -116,3 +116,68 @@ def test_corrupt_converted_checkpoint(hf_models, tmp_path):
     cfg["num_layers"] = 3  # the weights hold 2 layers
     (out / "model_config.json").write_text(json.dumps(cfg))
     _fails_cleanly(["generate", "--model", out, "--prompt", "hi"], "layers.2")
+
+
+def test_rope_scaling_missing_keys(hf_copy, tmp_path):
+    cfg = json.loads((hf_copy / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}
+    (hf_copy / "config.json").write_text(json.dumps(cfg))
+    line = _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "rope_scaling",
+                          tmp_path / "out")
+    assert "low_freq_factor" in line
+
+
+def test_qwen_per_layer_sliding_window_is_refused(hf_models, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(hf_models["qwen2"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=16)
+    (src / "config.json").write_text(json.dumps(cfg))
+    _fails_cleanly(["convert", src, tmp_path / "out"], "use_sliding_window", tmp_path / "out")
+
+
+def test_output_under_a_file(hf_copy, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    _fails_cleanly(["convert", hf_copy, tmp_path / "afile" / "out"], "afile")
+
+
+def test_failed_convert_removes_the_parents_it_made(hf_copy, tmp_path):
+    (hf_copy / "model.safetensors").write_bytes(b"\0" * 100)
+    _fails_cleanly(["convert", hf_copy, tmp_path / "new" / "deeper" / "out"], "model.safetensors")
+    assert not (tmp_path / "new").exists()
+
+
+def test_model_config_with_unknown_field(hf_models, tmp_path):
+    out = tmp_path / "ckpt"
+    assert CliRunner().invoke(cli, ["convert", str(hf_models["llama"]), str(out)]).exit_code == 0
+    cfg = json.loads((out / "model_config.json").read_text())
+    cfg["num_experts"] = 8
+    (out / "model_config.json").write_text(json.dumps(cfg))
+    _fails_cleanly(["generate", "--model", out, "--prompt", "hi"], "num_experts")
+
+
+def test_huge_seed_is_accepted(hf_models):
+    result = CliRunner().invoke(cli, ["generate", "--model", str(hf_models["llama"]), "--prompt",
+                                      "The", "--max-new-tokens", "2", "--temperature", "1",
+                                      "--seed", str(2**33)])
+    assert result.exit_code == 0, result.output
+
+
+def test_bench_rejects_zero_sequences():
+    result = CliRunner().invoke(cli, ["bench", "latency", "--preset", "tiny",
+                                      "--max-num-seqs", "0"])
+    assert result.exit_code == 2 and "max-num-seqs" in result.output
+
+
+def test_library_rejects_bad_prompts_and_leaves_nothing_queued(hf_models):
+    from jaxinfer import LLM, JaxinferError, SamplingParams
+
+    llm = LLM(hf_models["llama"], dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(JaxinferError, match="outside the vocabulary"):
+        llm.generate([[5, 6, 7], [5, 10**6]], params)
+    with pytest.raises(JaxinferError, match="max_model_len"):
+        llm.generate([[5, 6, 7], [5] * 300], params)
+    assert not llm.engine.has_unfinished()
+    assert len(llm.engine.allocator.free) == llm.runner.num_pages
+    assert len(llm.generate([[5, 6, 7]], params)) == 1
