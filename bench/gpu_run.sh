@@ -17,3 +17,4 @@ $J bench throughput --preset llama3-8b --num-requests 16 --input-len 256 --outpu
   --record "$OUT/RESULTS.md" --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | grep -v "^WARNING"
 python3 $REPO/bench/hf_e2e.py --preset llama3-8b --batch 1 --input-len 512 --output-len 128 2>&1 | tee "$OUT/hf_b1.log" | tail -1
 python3 $REPO/bench/hf_e2e.py --preset llama3-8b --batch 16 --input-len 256 --output-len 128 2>&1 | tee "$OUT/hf_b16.log" | tail -1
+python3 $REPO/bench/decode_breakdown.py --preset llama3-8b --ctx 576 2>&1 | tee "$OUT/breakdown.log" | grep -v "^WARNING"
