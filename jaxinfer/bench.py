@@ -165,7 +165,7 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
             updates = llm.engine.step()  # returns after the sampled ids reach the host
             if ttft is not None:
                 decode_steps.append(time.perf_counter() - t)
-            waiting_first -= sum(len(r.output_ids) == 1 for r, _ in updates)
+            waiting_first -= sum(r.num_output == 1 for r, _ in updates)
             if ttft is None and waiting_first == 0:
                 ttft = time.perf_counter() - start
         return ttft, decode_steps

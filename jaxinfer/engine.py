@@ -24,14 +24,24 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
-    output_ids: list[int] = dataclasses.field(default_factory=list)
+    all_ids: list[int] = dataclasses.field(default_factory=list)  # prompt, then outputs
     num_cached: int = 0  # tokens whose k/v are in the pages
     pages: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+    def __post_init__(self):
+        self.all_ids = list(self.prompt_ids)
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def output_ids(self) -> list[int]:
+        return self.all_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.all_ids) - len(self.prompt_ids)
+
+    def append(self, token: int):
+        self.all_ids.append(token)
 
     @property
     def finished(self) -> bool:
@@ -121,7 +131,7 @@ class Engine:
                 new_tokens=req.all_ids[req.num_cached:req.num_cached + n],
                 num_cached=req.num_cached, pages=req.pages, temperature=p.temperature,
                 top_k=max(p.top_k, 0), top_p=p.top_p, seed=req.seed,
-                step=len(req.output_ids))))
+                step=req.num_output)))
         return batch
 
     def step(self) -> list[tuple[Request, list[int]]]:
@@ -135,7 +145,7 @@ class Engine:
             req.num_cached += len(chunk.new_tokens)
             if req.num_cached < len(req.all_ids):
                 continue  # a prefill chunk that has not reached the prompt's end
-            req.output_ids.append(int(token))
+            req.append(int(token))
             self._check_stop(req)
             updates.append((req, [int(token)]))
         for req in [r for r in self.running if r.finished]:
@@ -145,10 +155,10 @@ class Engine:
         return updates
 
     def _check_stop(self, req: Request):
-        token, p = req.output_ids[-1], req.params
+        token, p = req.all_ids[-1], req.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             req.finish_reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens or len(req.all_ids) >= self.max_model_len:
+        elif req.num_output >= p.max_tokens or len(req.all_ids) >= self.max_model_len:
             req.finish_reason = "length"
 
     def abort(self, req: Request):
