@@ -130,15 +130,17 @@ def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batche
 def throughput(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                json_path, record, profile, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
-    from jaxinfer.bench import bench_throughput
+    from jaxinfer.bench import bench_throughput, format_rows, measure_ceilings
 
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens)
+    ceilings = measure_ceilings()
     with _profiled(profile):
-        r = bench_throughput(llm, num_requests, input_len, output_len)
-    table = (f"{r['num_requests']} requests (in <= {input_len}, out {output_len}): "
-             f"{r['output_tokens_per_s']:.1f} output tokens/s, "
-             f"{r['requests_per_s']:.2f} requests/s, {r['seconds']:.1f} s")
-    _report("throughput", r, table, json_path, record)
+        r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
+    table = (f"{ceilings.line()}\n\n{r['num_requests']} requests (in <= {input_len}, "
+             f"out {output_len}): {r['output_tokens_per_s']:.1f} output tokens/s, "
+             f"{r['requests_per_s']:.2f} requests/s, {r['seconds']:.1f} s\n\n{format_rows(rows)}")
+    _report("throughput", {"ceilings": vars(ceilings), **r, "rows": rows}, table, json_path,
+            record)
 
 
 def _plot(rows, ceilings, path):
@@ -153,7 +155,8 @@ def _plot(rows, ceilings, path):
         raise JaxinferError("--plot needs matplotlib (pip install matplotlib)") from None
     intensity = [r["flops"] / r["bytes"] for r in rows]
     achieved = [r["flops"] / (r["time_us"] * 1e-6) for r in rows]
-    xs = [min(intensity) / 2, max(intensity) * 2]
+    ridge = ceilings.matmul_flops_per_s / ceilings.copy_bytes_per_s  # where the roofs meet
+    xs = [min(intensity) / 2, ridge, max(max(intensity), ridge) * 2]
     fig, ax = plt.subplots(figsize=(7, 5))
     ax.loglog(xs, [min(x * ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s) for x in xs],
               "k-", label="roofline (measured ceilings)")

@@ -189,7 +189,7 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
 
 
 def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
-                     seed: int = 0) -> dict:
+                     ceilings: Ceilings, seed: int = 0) -> tuple[dict, list[dict]]:
     """Offline: num_requests prompts, lengths uniform in [input_len/2, input_len], all at once."""
     rng = np.random.default_rng(seed)
     c = llm.config
@@ -197,10 +197,23 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     prompts = [rng.integers(2, c.vocab_size, n).tolist() for n in lens]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts, params)  # compile every bucket the workload touches
-    t = time.perf_counter()
+    steps_before, t = llm.engine.num_steps, time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t
+    steps = llm.engine.num_steps - steps_before
     generated = sum(len(o.token_ids) for o in outs)
-    return {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-            "seconds": elapsed, "output_tokens_per_s": generated / elapsed,
-            "requests_per_s": num_requests / elapsed}
+    # The mean step: all weights once, plus every token's K/V read once per step it is live in
+    # (a sequence of final length L is live ~output_len steps at mean context L - output_len/2).
+    itemsize = llm.model.embed.embedding.dtype.itemsize
+    kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+    w_bytes = weight_bytes(llm.model)
+    kv_reads = sum(output_len * (n + output_len / 2) for n in lens) * kv_token
+    all_tokens = int(sum(lens)) + generated
+    step_bytes = w_bytes + kv_reads / steps
+    step_flops = 2 * (w_bytes / itemsize) * all_tokens / steps
+    summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
+               "seconds": elapsed, "steps": steps, "output_tokens_per_s": generated / elapsed,
+               "requests_per_s": num_requests / elapsed}
+    rows = [roofline(f"mean step ({steps} steps, {all_tokens} tokens)", elapsed / steps,
+                     step_bytes, step_flops, ceilings)]
+    return summary, rows

@@ -78,6 +78,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+        self.num_steps = 0  # batches run (benchmarks divide time by it)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         if not prompt_ids:
@@ -140,6 +141,7 @@ class Engine:
         if not batch:
             return []
         sampled = self.runner.step([chunk for _, chunk in batch])
+        self.num_steps += 1
         updates = []
         for (req, chunk), token in zip(batch, sampled, strict=True):
             req.num_cached += len(chunk.new_tokens)

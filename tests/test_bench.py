@@ -48,14 +48,19 @@ def test_bench_latency_tiny(tmp_path):
 
 
 def test_bench_throughput_tiny(tmp_path):
-    out = tmp_path / "result.json"
-    result = CliRunner().invoke(cli, ["bench", "throughput", "--preset", "tiny",
-                                      "--num-requests", "6", "--input-len", "12",
-                                      "--output-len", "4", "--kv-cache-gb", "0.01",
-                                      "--json", str(out)])
+    data = _run(["throughput", "--preset", "tiny", "--num-requests", "6", "--input-len", "12",
+                 "--output-len", "4", "--kv-cache-gb", "0.01", "--profile",
+                 str(tmp_path / "trace")], tmp_path)
+    assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0 and data["steps"] > 0
+    _check_rows(data["rows"])
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))  # the jax.profiler trace
+
+
+def test_bench_kernels_plot(tmp_path):
+    result = CliRunner().invoke(cli, ["bench", "kernels", "--small", "--plot",
+                                      str(tmp_path / "roofline.png")])
     assert result.exit_code == 0, result.output
-    data = json.loads(out.read_text())
-    assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0
+    assert (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_rejects_model_and_preset(tmp_path):
