@@ -9,12 +9,12 @@ REPO=$(pwd); cd /tmp  # so the checkout's jaxinfer/ folder does not shadow the i
 J="python3 -m jaxinfer.cli.main"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c 'import jax; print(jax.__version__, jax.devices())'
-$J bench kernels --record "$OUT/RESULTS.md" --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | grep -v "^WARNING"
+$J bench kernels --record "$OUT/RESULTS.md" --json "$OUT/kernels.json" 2>&1 | grep -v "^WARNING"
 $J bench latency --preset llama3-8b --batch 1 --input-len 512 --output-len 128 --kv-cache-gb 8 \
-  --record "$OUT/RESULTS.md" --json "$OUT/latency_b1.json" 2>&1 | tee "$OUT/latency.log" | grep -v "^WARNING"
+  --record "$OUT/RESULTS.md" --json "$OUT/latency_b1.json" 2>&1 | grep -v "^WARNING"
 $J bench throughput --preset llama3-8b --num-requests 16 --input-len 256 --output-len 128 \
   --max-num-seqs 16 --max-num-batched-tokens 512 --kv-cache-gb 8 \
-  --record "$OUT/RESULTS.md" --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" | grep -v "^WARNING"
+  --record "$OUT/RESULTS.md" --json "$OUT/throughput.json" 2>&1 | grep -v "^WARNING"
 python3 $REPO/bench/hf_e2e.py --preset llama3-8b --batch 1 --input-len 512 --output-len 128 2>&1 | tee "$OUT/hf_b1.log" | tail -1
 python3 $REPO/bench/hf_e2e.py --preset llama3-8b --batch 16 --input-len 256 --output-len 128 2>&1 | tee "$OUT/hf_b16.log" | tail -1
 python3 $REPO/bench/decode_breakdown.py --preset llama3-8b --ctx 576 2>&1 | tee "$OUT/breakdown.log" | grep -v "^WARNING"
