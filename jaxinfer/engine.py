@@ -24,7 +24,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
-    all_ids: list[int] = dataclasses.field(default_factory=list)  # prompt, then outputs
+    all_ids: list[int] = dataclasses.field(init=False)  # prompt, then outputs
     num_cached: int = 0  # tokens whose k/v are in the pages
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -39,9 +39,6 @@ class Request:
     @property
     def num_output(self) -> int:
         return len(self.all_ids) - len(self.prompt_ids)
-
-    def append(self, token: int):
-        self.all_ids.append(token)
 
     @property
     def finished(self) -> bool:
@@ -147,7 +144,7 @@ class Engine:
             req.num_cached += len(chunk.new_tokens)
             if req.num_cached < len(req.all_ids):
                 continue  # a prefill chunk that has not reached the prompt's end
-            req.append(int(token))
+            req.all_ids.append(int(token))
             self._check_stop(req)
             updates.append((req, [int(token)]))
         for req in [r for r in self.running if r.finished]:
