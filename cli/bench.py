@@ -56,13 +56,18 @@ def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
 
-def _report(kind, result, table, json_path, record):
+def _report(kind, ceilings, rows, headline, result, json_path, record):
+    """Prints the ceilings, the headline and the roofline rows; writes JSON / a results row."""
     import jax
+
+    from jaxinfer.bench import format_rows
 
     device = jax.devices()[0].device_kind
     command = "jaxinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    table = "\n\n".join(x for x in (ceilings.line(), headline, format_rows(rows)) if x)
     full = {"kind": kind, "date": datetime.date.today().isoformat(), "device": device,
-            "jax": jax.__version__, "command": command, **result}
+            "jax": jax.__version__, "command": command, "ceilings": vars(ceilings), **result,
+            "rows": rows}
     click.echo(table)
     if json_path:
         with open(json_path, "w") as f:
@@ -89,13 +94,12 @@ def _profiled(profile_dir):
 @click.option("--plot", default=None, help="Draw the roofline to this PNG (needs matplotlib).")
 def kernels(backend, small, json_path, record, profile, plot):
     """Attention and linear kernels against the device ceilings measured in the same run."""
-    from jaxinfer.bench import bench_kernels, format_rows, measure_ceilings
+    from jaxinfer.bench import bench_kernels, measure_ceilings
 
     with _profiled(profile):
         ceilings = measure_ceilings()
         rows = bench_kernels(ceilings, backend, small=small)
-    table = ceilings.line() + "\n\n" + format_rows(rows)
-    _report("kernels", {"ceilings": vars(ceilings), "rows": rows}, table, json_path, record)
+    _report("kernels", ceilings, rows, None, {}, json_path, record)
     if plot:
         _plot(rows, ceilings, plot)
 
@@ -108,18 +112,16 @@ def kernels(backend, small, json_path, record, profile, plot):
 def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
             json_path, record, profile, batch, input_len, output_len):
     """Time to first token and per-token decode time."""
-    from jaxinfer.bench import bench_latency, format_rows, measure_ceilings
+    from jaxinfer.bench import bench_latency, measure_ceilings
 
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens)
     ceilings = measure_ceilings()
     with _profiled(profile):
-        summary, rows = bench_latency(llm, input_len, output_len, batch, ceilings)
-    table = (f"{ceilings.line()}\n\nTTFT {summary['ttft_ms']:.1f} ms · per-token "
-             f"{summary['itl_ms']:.2f} ms · {summary['tokens_per_s']:.1f} tokens/s "
-             f"(batch {batch}, in {input_len}, out {output_len}, "
-             f"weights {summary['weight_bytes'] / 1e9:.2f} GB)\n\n{format_rows(rows)}")
-    _report("latency", {"ceilings": vars(ceilings), **summary, "rows": rows}, table,
-            json_path, record)
+        r, rows = bench_latency(llm, input_len, output_len, batch, ceilings)
+    headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
+                f"{r['tokens_per_s']:.1f} tokens/s (batch {batch}, in {input_len}, "
+                f"out {output_len}, weights {r['weight_bytes'] / 1e9:.2f} GB)")
+    _report("latency", ceilings, rows, headline, r, json_path, record)
 
 
 @bench.command()
@@ -130,17 +132,16 @@ def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batche
 def throughput(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                json_path, record, profile, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
-    from jaxinfer.bench import bench_throughput, format_rows, measure_ceilings
+    from jaxinfer.bench import bench_throughput, measure_ceilings
 
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens)
     ceilings = measure_ceilings()
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
-    table = (f"{ceilings.line()}\n\n{r['num_requests']} requests (in <= {input_len}, "
-             f"out {output_len}): {r['output_tokens_per_s']:.1f} output tokens/s, "
-             f"{r['requests_per_s']:.2f} requests/s, {r['seconds']:.1f} s\n\n{format_rows(rows)}")
-    _report("throughput", {"ceilings": vars(ceilings), **r, "rows": rows}, table, json_path,
-            record)
+    headline = (f"{r['num_requests']} requests (in <= {input_len}, out {output_len}): "
+                f"{r['output_tokens_per_s']:.1f} output tokens/s, "
+                f"{r['requests_per_s']:.2f} requests/s, {r['seconds']:.1f} s")
+    _report("throughput", ceilings, rows, headline, r, json_path, record)
 
 
 def _plot(rows, ceilings, path):
