@@ -19,9 +19,17 @@ causally to cache positions <= its own (so chunked prefill and prefix-cache
 hits work). The new k/v are written into the pages before attending, and the
 updated pages are returned (callers donate them so the update is in place).
 
-`ragged_paged_attention` picks the implementation in one place; today only the
-pure-JAX reference below exists (the Pallas and Mosaic GPU kernels plug in
-here without touching model code).
+Options: `sliding_window` (a token sees the last `sliding_window` positions,
+itself included), `soft_cap` (scores -> cap * tanh(scores / cap)), `sinks` [Hq]
+(one learned logit per head added to the softmax denominator, gpt-oss).
+
+fp8 KV cache: pages of dtype float8_e4m3fn hold k / k_scale (and v / v_scale),
+clipped to the e4m3 range; attention reads them back as page * scale. Scales
+are per-layer Python floats (vLLM's per-tensor k_scale / v_scale).
+
+`ragged_paged_attention` picks the implementation in one place: the Mosaic GPU
+kernel on Hopper, the Pallas TPU kernel on TPU, this pure-JAX reference
+elsewhere (CPU, older GPUs).
 """
 
 from __future__ import annotations
@@ -43,15 +51,50 @@ class AttentionMetadata:
     num_seqs: jax.Array
 
 
-def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata):
-    """Scatters this step's k/v [T, Hkv, D] into the pages; padding tokens are dropped."""
+FP8_KV_DTYPE = jnp.float8_e4m3fn
+
+
+def quantize_kv(x, dtype, scale: float | None):
+    """What a cache page of `dtype` stores for x: x itself, or x / scale clipped to e4m3."""
+    if jnp.dtype(dtype) != FP8_KV_DTYPE:
+        return x.astype(dtype)
+    limit = float(jnp.finfo(FP8_KV_DTYPE).max)
+    scaled = x.astype(jnp.float32) / (1.0 if scale is None else scale)
+    return jnp.clip(scaled, -limit, limit).astype(dtype)
+
+
+def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
+                   k_scale: float | None = None, v_scale: float | None = None):
+    """Scatters this step's k/v [T, Hkv, D] into the pages; padding tokens are dropped.
+
+    The slots past kv_len in each live sequence's last page are zeroed too, so the
+    pages a kernel reads whole always hold finite values.
+    """
     token_seq, token_pos, valid = token_positions(md, k.shape[0])
     page_size = k_pages.shape[1]
     page = md.page_indices[token_seq, token_pos // page_size]
     page = jnp.where(valid, page, k_pages.shape[0])  # out of range: dropped below
     slot = token_pos % page_size
-    k_pages = k_pages.at[page, slot].set(k.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page, slot].set(v.astype(v_pages.dtype), mode="drop")
+    k_pages = k_pages.at[page, slot].set(quantize_kv(k, k_pages.dtype, k_scale), mode="drop")
+    v_pages = v_pages.at[page, slot].set(quantize_kv(v, v_pages.dtype, v_scale), mode="drop")
+    return zero_page_tails(k_pages, v_pages, md)
+
+
+def zero_page_tails(k_pages, v_pages, md: AttentionMetadata):
+    """Zeroes slots kv_len .. end of page in each live sequence's last page."""
+    S = md.kv_lens.shape[0]
+    ps = k_pages.shape[1]
+    kv_len = md.kv_lens
+    slot = jnp.arange(ps)[None, :]
+    live = (jnp.arange(S) < md.num_seqs[0])[:, None] & (kv_len[:, None] > 0)
+    tail = live & (slot >= kv_len[:, None] % ps) & (kv_len[:, None] % ps != 0)
+    last = jnp.clip((kv_len - 1) // ps, 0, md.page_indices.shape[1] - 1)
+    page = md.page_indices[jnp.arange(S), last][:, None]
+    page = jnp.where(tail, page, k_pages.shape[0])  # out of range: dropped
+    page, slot = jnp.broadcast_arrays(page, slot)
+    zeros = jnp.zeros(page.shape + k_pages.shape[2:], k_pages.dtype)
+    k_pages = k_pages.at[page, slot].set(zeros, mode="drop")
+    v_pages = v_pages.at[page, slot].set(zeros, mode="drop")
     return k_pages, v_pages
 
 
@@ -72,15 +115,17 @@ def token_positions(md: AttentionMetadata, num_tokens: int):
 def ragged_paged_attention_reference(
     q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
+    sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
 ):
     """Pure-JAX reference (the spec). Returns (out [T, Hq, D] in q.dtype, k_pages, v_pages).
 
     It gathers every sequence's pages and attends densely with a mask, which
     costs T x S x P x page_size scores: fine as a spec and on CPU, not a kernel.
-    `sinks` [Hq] (gpt-oss) adds one learned logit per head to the softmax denominator.
+    fp8 pages are upcast exactly to q.dtype; their scales multiply the scores and
+    the output (as the kernels do).
     """
-    k_pages, v_pages = write_kv_pages(k, v, k_pages, v_pages, md)
+    k_pages, v_pages = write_kv_pages(k, v, k_pages, v_pages, md, k_scale=k_scale,
+                                      v_scale=v_scale)
     T, Hq, D = q.shape
     S, P = md.page_indices.shape
     page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
@@ -90,6 +135,10 @@ def ragged_paged_attention_reference(
     # All cached keys of all sequences: [S, ctx, Hkv, D].
     k_all = k_pages[md.page_indices].reshape(S, ctx, Hkv, D)
     v_all = v_pages[md.page_indices].reshape(S, ctx, Hkv, D)
+    fp8 = k_pages.dtype == FP8_KV_DTYPE
+    if fp8:
+        k_all, v_all = k_all.astype(q.dtype), v_all.astype(q.dtype)
+        sm_scale = sm_scale * (1.0 if k_scale is None else k_scale)
 
     token_seq, q_pos, valid = token_positions(md, T)
     kv_pos = jnp.arange(ctx, dtype=jnp.int32)
@@ -127,16 +176,58 @@ def ragged_paged_attention_reference(
         "thgj,jhd->thgd", p.astype(v_all.dtype), v_all.reshape(S * ctx, Hkv, D),
         preferred_element_type=jnp.float32,
     )
+    if fp8 and v_scale is not None:
+        out = out * v_scale
     return out.reshape(T, Hq, D).astype(q.dtype), k_pages, v_pages
+
+
+IMPLEMENTATIONS = ("reference", "pallas_tpu", "mosaic_gpu")
+
+
+def default_implementation(platform: str | None = None) -> str:
+    """The backend `ragged_paged_attention` uses on a platform (default: jax's default backend).
+
+    Mosaic GPU needs Hopper (sm_90) or newer; older GPUs and the CPU use the reference.
+    """
+    platform = platform or jax.default_backend()
+    if platform == "tpu":
+        return "pallas_tpu"
+    if platform in ("gpu", "cuda"):
+        cc = getattr(jax.devices("gpu")[0], "compute_capability", "0")
+        if float(cc) >= 9.0:
+            return "mosaic_gpu"
+    return "reference"
 
 
 def ragged_paged_attention(
     q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    sinks: jax.Array | None = None,
+    sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
+    implementation: str | None = None,
 ):
-    """Writes k/v into the pages and attends. The one place that picks a backend."""
-    return ragged_paged_attention_reference(
-        q, k, v, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, sinks=sinks,
-    )
+    """Writes k/v into the pages and attends. The one place that picks a backend.
+
+    `implementation` forces one of IMPLEMENTATIONS (tests and benchmarks); None
+    picks `default_implementation()`, falling back to the reference for shapes or
+    dtypes the Mosaic kernel does not take. Kernels run in interpret mode on the CPU.
+    """
+    impl = implementation
+    if impl is None:
+        impl = default_implementation()
+        if impl == "mosaic_gpu":
+            from jaxinfer.mosaic.ragged_paged_attention import unsupported_reason
+            if unsupported_reason(q, k_pages) is not None:
+                impl = "reference"  # e.g. float32 models: the kernel runs bf16 / f16
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    if impl == "reference":
+        fn = ragged_paged_attention_reference
+    elif impl == "pallas_tpu":
+        from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu
+        fn = ragged_paged_attention_tpu
+    elif impl == "mosaic_gpu":
+        from jaxinfer.mosaic.ragged_paged_attention import ragged_paged_attention_mgpu
+        fn = ragged_paged_attention_mgpu
+    else:
+        raise ValueError(f"attention implementation {impl!r}: expected one of {IMPLEMENTATIONS}")
+    return fn(q, k, v, k_pages, v_pages, md, **kwargs)

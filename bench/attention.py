@@ -1,0 +1,172 @@
+"""Ragged paged attention on the GPU, side by side in one run (issue 3's table).
+
+  python bench/attention.py [--quick] [--tune] [--json FILE]
+
+Rows: our Mosaic GPU kernel (`attend_pages_mgpu`: the query tiling, the kernel
+and the split combine; the k/v write is left out because outside a benchmark the
+pages are donated and the write is an in-place scatter of T rows, while here
+XLA would copy the whole cache first), jax's stock Pallas
+(Triton) `paged_attention` (decode only), the XLA reference, and the ceilings
+measured in the same run: device copy bandwidth and the bf16 matmul rate. The
+mixed step is also compared with cuDNN (`jax.nn.dot_product_attention`) on the
+equivalent dense problem. Times are CUPTI kernel-time medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
+from jaxinfer.bench import format_rows, measure_ceilings, median_seconds, roofline
+from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def batch(seqs, kv_dtype=jnp.bfloat16, seed=0):
+    """Inputs for one step: seqs = [(q_len, kv_len)], pages shuffled over the pool."""
+    rng = np.random.default_rng(seed)
+    T = sum(q for q, _ in seqs)
+    P = max(-(-kv // PAGE) for _, kv in seqs)
+    num_pages = sum(-(-kv // PAGE) for _, kv in seqs)
+    perm = rng.permutation(num_pages).astype(np.int32)
+    page_indices = np.zeros((len(seqs), P), np.int32)
+    start = 0
+    for s, (_, kv) in enumerate(seqs):
+        n = -(-kv // PAGE)
+        page_indices[s, :n] = perm[start:start + n]
+        start += n
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (T, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (T, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (T, HKV, D), jnp.bfloat16)
+    kp = jax.random.normal(ks[3], (num_pages, PAGE, HKV, D), jnp.bfloat16).astype(kv_dtype)
+    vp = jax.random.normal(ks[4], (num_pages, PAGE, HKV, D), jnp.bfloat16).astype(kv_dtype)
+    md = AttentionMetadata(
+        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum([q for q, _ in seqs])]), jnp.int32),
+        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
+        page_indices=jnp.asarray(page_indices), num_seqs=jnp.array([len(seqs)], jnp.int32))
+    kv_bytes = sum(2 * kv * HKV * D * jnp.dtype(kv_dtype).itemsize for _, kv in seqs)
+    # Causal FLOPs: each query token sees kv_len - q_len + i + 1 keys.
+    seen = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in seqs)
+    return (q, k, v, kp, vp, md), kv_bytes, 4 * seen * HQ * D
+
+
+def ours(config=None, **kw):
+    """Attention over the pages (q, k, v, k_pages, v_pages, md); k/v are not written."""
+    return jax.jit(lambda q, k, v, kp, vp, md: attend_pages_mgpu(
+        q, kp, vp, md, sm_scale=D ** -0.5, config=config, **kw))
+
+
+def full(implementation, **kw):
+    """The whole interface (write k/v, then attend); the cache is not donated."""
+    return jax.jit(lambda *a: ragged_paged_attention(
+        *a, sm_scale=D ** -0.5, implementation=implementation, **kw)[0])
+
+
+def reference():
+    return full("reference")
+
+
+def stock_paged_attention(args):
+    """jax.experimental.pallas.ops.gpu.paged_attention on the same decode batch (its own
+    [Hkv, pages, page_size, D] layout, transposed once outside the timing)."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    q, _, _, kp, vp, md = args
+    kp_t, vp_t = kp.transpose(2, 0, 1, 3), vp.transpose(2, 0, 1, 3)
+    fn = jax.jit(lambda q, kp, vp, bt, lens: paged_attention(q * D ** -0.5, kp, vp, bt, lens))
+    return fn, (q, kp_t, vp_t, md.page_indices, md.kv_lens)
+
+
+def check(fn, ref_fn, args, name):
+    got = np.asarray(fn(*args).astype(jnp.float32))
+    want = np.asarray(ref_fn(*args).astype(jnp.float32))
+    err = float(np.abs(got - want).max())
+    print(f"  check {name}: max |ours - reference| = {err:.3g}", flush=True)
+    assert err < 5e-2, (name, err)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="also time a few kernel configs")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    c = measure_ceilings()
+    print(f"ceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+          f"{c.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
+    rows, extra = [], {}
+
+    def add(name, fn, args, kv_bytes, flops):
+        t = median_seconds(fn, *args)
+        rows.append(roofline(name, t, kv_bytes, flops, c))
+        print(f"  {name}: {t * 1e6:.1f} us", flush=True)
+        return t
+
+    decodes = [("decode B=64 ctx=2048", [(1, 2048)] * 64),
+               ("decode B=8 ctx=32768", [(1, 32768)] * 8)]
+    for label, seqs in decodes[:1] if a.quick else decodes:
+        args, nbytes, flops = batch(seqs)
+        check(full("mosaic_gpu"), reference(), args, label)
+        t_ours = add(f"{label} mosaic", ours(), args, nbytes, flops)
+        fn, sargs = stock_paged_attention(args)
+        t_stock = add(f"{label} stock paged_attention", fn, sargs, nbytes, flops)
+        extra[f"{label} speedup vs stock"] = t_stock / t_ours
+        if not a.quick:  # (includes XLA's copy of the undonated cache for the k/v write)
+            add(f"{label} xla reference", reference(), args, nbytes, flops)
+        if a.tune:
+            for cfg in [Config(128, 2, 1, 1), Config(128, 3, 1, 1), Config(64, 4, 1, 1),
+                        Config(128, 3, 1, 2), Config(128, 3, 1, 4), Config(128, 3, 1, 8),
+                        Config(64, 6, 1, 4), Config(128, 2, 2, 1)]:
+                add(f"{label} mosaic {cfg}", ours(cfg), args, nbytes, flops)
+
+    # fp8 KV vs bf16 at context 8192.
+    seqs = [(1, 8192)] * 32
+    args16, b16, fl = batch(seqs)
+    args8, b8, _ = batch(seqs, kv_dtype=jnp.float8_e4m3fn)
+    check(full("mosaic_gpu", k_scale=1.0, v_scale=1.0),
+          full("reference", k_scale=1.0, v_scale=1.0),
+          batch([(1, 1024)] * 4, kv_dtype=jnp.float8_e4m3fn)[0], "fp8 small")
+    t16 = add("decode B=32 ctx=8192 bf16 KV mosaic", ours(), args16, b16, fl)
+    t8 = add("decode B=32 ctx=8192 fp8 KV mosaic", ours(k_scale=1.0, v_scale=1.0), args8, b8, fl)
+    extra["fp8 speedup vs bf16 (ctx 8192)"] = t16 / t8
+
+    # Mixed step: 2048 new tokens of one sequence over an 8192 context, plus 64 decodes.
+    seqs = [(2048, 8192)] + [(1, 2048)] * 64
+    args, nbytes, flops = batch(seqs)
+    t_mixed = add("mixed 2048 prefill over 8192 + 64 decodes mosaic", ours(), args, nbytes, flops)
+    if a.tune:
+        for cfg in [Config(128, 2, 2, 1), Config(64, 3, 2, 1), Config(128, 3, 2, 1)]:
+            add(f"mixed mosaic {cfg}", ours(cfg), args, nbytes, flops)
+    # cuDNN on the equivalent dense problem: the 2048 queries against the 6144 cached keys
+    # (no mask) plus the causal 2048 x 2048 block.
+    ks = jax.random.split(jax.random.key(1), 3)
+    qd = jax.random.normal(ks[0], (1, 2048, HQ, D), jnp.bfloat16)
+    kd = jax.random.normal(ks[1], (1, 6144, HKV, D), jnp.bfloat16)
+    vd = jax.random.normal(ks[2], (1, 6144, HKV, D), jnp.bfloat16)
+    cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
+    t_full = median_seconds(jax.jit(cudnn), qd, kd, vd)
+    kc, vc = kd[:, :2048], vd[:, :2048]
+    t_causal = median_seconds(jax.jit(functools.partial(cudnn, is_causal=True)), qd, kc, vc)
+    prefill_flops = 4 * HQ * D * (2048 * 6144 + 2048 * 2049 // 2)
+    rows.append(roofline("mixed-equivalent dense prefill cudnn (6144 full + 2048 causal)",
+                         t_full + t_causal, 2 * 8192 * HKV * D * 2, prefill_flops, c))
+    extra["mixed: ours / cudnn time"] = t_mixed / (t_full + t_causal)
+
+    print(format_rows(rows))
+    for k, v in extra.items():
+        print(f"{k}: {v:.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"ceilings": c.__dict__, "rows": rows, "ratios": extra}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

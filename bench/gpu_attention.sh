@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 3 on the device: the attention GPU tests, then bench/attention.py; logs under $OUT.
+#   device run: bash bench/gpu_attention.sh [bench args]   (carry: .whl, from `pip wheel --no-deps . -w .whl`)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+  .whl/jaxinfer-*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+REPO=$(pwd); cd /tmp  # the checkout's jaxinfer/ folder would shadow the installed wheel
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest "$REPO/tests/test_attention.py" -c "$REPO/pyproject.toml" \
+    --rootdir "$REPO" -m gpu --import-mode=importlib -q -rs -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+    | grep -v "^WARNING" | tee "$OUT/gpu_attention_tests.log" | tail -40
+fi
+timeout ${BENCH_TIMEOUT:-400} python3 "$REPO/bench/attention.py" --json "$OUT/attention.json" "$@" 2>&1 \
+  | grep -v "^WARNING" | tee "$OUT/attention_bench.log"

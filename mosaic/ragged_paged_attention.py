@@ -1,0 +1,532 @@
+"""Ragged paged attention for Hopper, as a Mosaic GPU kernel (`plgpu.kernel`).
+
+Same contract as `jaxinfer.attention.ragged_paged_attention_reference` (the
+spec): q [T, Hq, D], this step's k/v [T, Hkv, D], pages [num_pages, page_size,
+Hkv, D], metadata (cu_q_lens [S+1], kv_lens [S], page_indices [S, P],
+num_seqs [1]); returns (out [T, Hq, D] in q.dtype, k_pages, v_pages).
+
+Algorithm (flash attention over pages):
+- The new k/v are scattered into the pages by XLA first (`write_kv_pages`, in
+  place under donation), which also zeroes the slots past kv_len of each
+  sequence's last page: every page the kernel reads then holds finite values
+  (a masked P = 0 times a stale NaN would still be NaN).
+- Work list (built with jnp, static length): one entry per (sequence, block of
+  `tokens_per_block` tokens). Queries are gathered into per-entry tiles
+  [Hkv, entries, compute_wgs * 64, D]: the G = Hq / Hkv query heads of a KV
+  head fill the wgmma M dimension (64 rows = 64 // G tokens x G heads).
+- Grid (Hkv, work entries, KV splits); each CTA
+  runs `compute_wgs` consumer warpgroups (64 query rows each) and one producer
+  warpgroup that streams KV blocks of `block_kv` tokens: one TMA per page
+  (page_size x D, 128-byte swizzled) into a `num_stages`-deep ring.
+- Consumers: S = Q K^T (wgmma, f32), scale, optional soft cap, causal /
+  kv_len / sliding-window mask on the edge blocks only, online softmax in base 2,
+  O += P V (wgmma). Masked scores are a large finite negative, not -inf, so a
+  row whose first block is fully masked stays finite.
+- Split-KV (flash decoding) when there are few (sequence, KV head) pairs: each
+  split writes f32 partial outputs and their log-sum-exp; XLA combines them
+  (sinks join there). Without splits the kernel writes q.dtype directly.
+- Each CTA stores whole 64-row output tiles into its own slot of a per-entry
+  buffer (TMA stores need static shapes and aligned shared-memory offsets); XLA
+  gathers the live rows back into token order (and merges splits).
+- fp8 (e4m3) pages: the consumer upcasts each KV block to f16 in shared memory
+  (exact; queries and P run in f16 then), k_scale folds into the score scale and
+  v_scale into the output.
+
+On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode
+(tests). Constraints: Hopper (sm_90a), head_dim a multiple of 64 up to 256,
+page_size a multiple of 8, G <= 64, q in bf16 or fp16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxinfer.attention import FP8_KV_DTYPE, AttentionMetadata, write_kv_pages
+
+ROWS = 64  # query rows per consumer warpgroup (the wgmma M tile)
+MASKED = -1e30  # masked score (base-2 units): exp2(MASKED - m) == 0 for any real m
+LOG2E = math.log2(math.e)
+NUM_SMS = 132  # H100 SXM; only used to pick the number of KV splits
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block_kv: int = 128  # KV tokens per pipeline step (a multiple of 64 and of page_size)
+    num_stages: int = 2  # KV blocks in flight
+    compute_wgs: int = 2  # consumer warpgroups per CTA, 64 query rows each
+    num_splits: int = 1  # KV splits per (token block, KV head)
+    # Query rows each warpgroup loads and stores (a multiple of 8, >= G): the wgmma
+    # still computes 64 rows, but decode tiles move only the rows they use.
+    tile_rows: int = ROWS
+
+
+def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: int,
+                  head_dim: int, group: int) -> Config:
+    """Static heuristics: decode-like batches (about one token per sequence) use one
+    consumer warpgroup and split long contexts over the SMs; prefill-heavy batches use
+    two consumer warpgroups sharing each KV block."""
+    decode_like = num_tokens <= 2 * max_seqs
+    block_kv = 128 if head_dim <= 128 else 64
+    if not decode_like:
+        return Config(block_kv=block_kv, num_stages=2, compute_wgs=2, num_splits=1)
+    tile_rows = min(ROWS, -(-group // 8) * 8)
+    ctas = max(1, min(num_tokens, max_seqs)) * num_kv_heads
+    splits = max(1, min(-(-2 * NUM_SMS // ctas), max_ctx // (4 * block_kv)))
+    return Config(block_kv=block_kv, num_stages=3, compute_wgs=1, num_splits=splits,
+                  tile_rows=tile_rows)
+
+
+SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit
+
+
+def _fit_stages(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
+    """Lowers num_stages (to 2 at least) until the kernel's shared memory fits."""
+    qb, kvb = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+    out_b = 4 if cfg.num_splits > 1 else qb
+    fixed = cfg.compute_wgs * ROWS * head_dim * (qb + out_b) + 4096  # q, out, lse, barriers
+    if kvb == 1:  # fp8: per-warpgroup upcast copies of K and V
+        fixed += 2 * cfg.compute_wgs * cfg.block_kv * head_dim * qb
+    per_stage = 2 * cfg.block_kv * head_dim * kvb
+    stages = cfg.num_stages
+    while stages > 2 and fixed + stages * per_stage > SMEM_BYTES:
+        stages -= 1
+    return dataclasses.replace(cfg, num_stages=stages)
+
+
+def _work_list(md: AttentionMetadata, num_entries: int, tokens_per_block: int):
+    """[num_entries, 8] int32 rows (seq, first token, tokens, position of the first
+    token, kv_len, 0, 0, 0); entries past the live blocks have 0 tokens."""
+    S = md.kv_lens.shape[0]
+    live = jnp.arange(S) < md.num_seqs[0]
+    q_lens = jnp.where(live, md.cu_q_lens[1:] - md.cu_q_lens[:-1], 0)
+    q_lens = jnp.maximum(q_lens, 0)
+    blocks = -(-q_lens // tokens_per_block)
+    ends = jnp.cumsum(blocks)
+    entry = jnp.arange(num_entries, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, entry, side="right"), S - 1).astype(jnp.int32)
+    j = entry - (ends[seq] - blocks[seq])
+    tokens = jnp.clip(q_lens[seq] - j * tokens_per_block, 0, tokens_per_block)
+    tokens = jnp.where(entry < ends[-1], tokens, 0)
+    first = md.cu_q_lens[seq] + j * tokens_per_block
+    pos0 = md.kv_lens[seq] - q_lens[seq] + j * tokens_per_block
+    zero = jnp.zeros_like(entry)
+    cols = [seq, first, tokens, pos0, md.kv_lens[seq], zero, zero, zero]
+    return jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
+
+
+def _attention_kernel(work_ref, page_indices_ref, q_ref, k_pages_ref, v_pages_ref,
+                      sinks_ref, out_ref, lse_ref, scratch, *, cfg: Config, group: int,
+                      head_dim: int, page_size: int, sm_scale: float,
+                      sliding_window: int | None, soft_cap: float | None, fp8: bool,
+                      v_scale: float | None):
+    (q_smem, k_smem, v_smem, o_smem, lse_smem, k16_smem, v16_smem, p_smem,
+     k_ready, v_ready, q_ready, k_free, v_free) = scratch
+    h, entry, split = lax.axis_index("h"), lax.axis_index("entry"), lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    bk, stages, wgs = cfg.block_kv, cfg.num_stages, cfg.compute_wgs
+    pages_per_block = bk // page_size
+    tile_rows = cfg.tile_rows
+    tokens_per_wg = tile_rows // group
+    max_pages = page_indices_ref.shape[1]
+
+    seq = work_ref[entry, 0]
+    num_tokens, pos0, kv_len = work_ref[entry, 2], work_ref[entry, 3], work_ref[entry, 4]
+    # KV blocks this CTA reads: causal end, sliding-window start, then this split's share.
+    kv_end = pos0 + num_tokens
+    kv_begin = jnp.int32(0)
+    if sliding_window is not None:
+        kv_begin = jnp.maximum(pos0 - sliding_window + 1, 0)
+    blk_begin = kv_begin // bk
+    blk_count = jnp.where(num_tokens > 0, (kv_end + bk - 1) // bk - blk_begin, 0)
+    per_split = (blk_count + cfg.num_splits - 1) // cfg.num_splits
+    lo = blk_begin + jnp.minimum(split * per_split, blk_count)
+    steps = jnp.maximum(jnp.minimum(per_split, blk_begin + blk_count - lo), 0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def page_ids(block):
+            # One scalar load per page, all issued before any TMA that uses them (and a
+            # step ahead of use), so their latency overlaps instead of adding up.
+            # Pages past kv_len may be anything (and any id): read the sequence's first
+            # page instead, whose values are finite; those columns are masked.
+            ids = []
+            for p in range(pages_per_block):
+                page_slot = block * pages_per_block + p
+                valid = page_slot * page_size < kv_len
+                ids.append(page_indices_ref[seq, jnp.where(
+                    valid, jnp.minimum(page_slot, max_pages - 1), 0)])
+            return tuple(ids)
+
+        def load(pages_ref, smem, barrier, ids):
+            for p, page in enumerate(ids):
+                plgpu.copy_gmem_to_smem(pages_ref.at[page, :, h, :],
+                                        smem.at[pl.ds(p * page_size, page_size)], barrier)
+
+        def produce(step, ids):
+            slot = lax.rem(step, jnp.int32(stages))
+            next_ids = page_ids(lo + step + 1)
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+            load(k_pages_ref, k_smem.at[slot], k_ready.at[slot], ids)
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+            load(v_pages_ref, v_smem.at[slot], v_ready.at[slot], ids)
+            return next_ids
+
+        lax.fori_loop(0, steps, produce, page_ids(lo))
+
+    @pl.when(wg < wgs)
+    def _consumer():
+        plgpu.set_max_registers(232 if wgs > 1 else 240, action="increase")
+        wg_first = jnp.minimum(wg * tokens_per_wg, num_tokens)  # token offset in the block
+        wg_tokens = jnp.clip(num_tokens - wg * tokens_per_wg, 0, tokens_per_wg)
+        # Only tile_rows query rows are loaded; the other rows of the 64-row wgmma tile
+        # hold stale values, and every row's softmax and output are its own.
+        plgpu.copy_gmem_to_smem(q_ref.at[h, entry, pl.ds(wg * tile_rows, tile_rows)],
+                                q_smem.at[wg, pl.ds(0, tile_rows)], q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        m_i = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), row_layout)
+        l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+        rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=plgpu.Layout.WGMMA)
+        cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
+        q_pos = pos0 + wg_first + lax.div(rows, jnp.int32(group))
+        row_live = lax.div(rows, jnp.int32(group)) < wg_tokens
+        score_scale = sm_scale * LOG2E
+
+        def upcast(src, dst):
+            # fp8 pages -> f16 copy in shared memory (exact), for wgmma.
+            dst[...] = plgpu.load(src, layout=plgpu.Layout.WGMMA).astype(dst.dtype)
+            plgpu.commit_smem()
+
+        def step(i, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, jnp.int32(stages))
+            block = lo + i
+            plgpu.barrier_wait(k_ready.at[slot])
+            k_tile = k_smem.at[slot]
+            if fp8:
+                upcast(k_tile, k16_smem.at[wg])
+                k_tile = k16_smem.at[wg]
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem.at[wg], k_tile.transpose((1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if soft_cap is not None:
+                s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+            else:
+                s = s * score_scale
+            if masked:
+                kv_pos = block * bk + cols
+                keep = (kv_pos <= q_pos) & (kv_pos < kv_len) & row_live
+                if sliding_window is not None:
+                    keep = keep & (q_pos - kv_pos < sliding_window)
+                s = jnp.where(keep, s, MASKED)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_ready.at[slot])
+            v_tile = v_smem.at[slot]
+            if fp8:
+                upcast(v_tile, v16_smem.at[wg])
+                v_tile = v16_smem.at[wg]
+
+            p16 = p.astype(q_smem.dtype)
+            if p_smem is not None:  # interpret mode: wgmma's A operand must be in SMEM
+                p_smem.at[wg][...] = p16
+                plgpu.commit_smem()
+                p16 = p_smem.at[wg]
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_tile)
+                return acc_ref[...]
+            # A fresh accumulator plus an add (rather than accumulating into acc in
+            # place): same cost, and it also runs in interpret mode.
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        # Blocks that need no mask: fully inside the window of the block's first token and
+        # at or before it causally (kv_len >= every position, so kv_len never bites there).
+        full_lo = jnp.int32(0)
+        if sliding_window is not None:
+            last_pos = pos0 + num_tokens - 1
+            full_lo = (jnp.maximum(last_pos - sliding_window + 1, 0) + bk - 1) // bk - lo
+        full_hi = (pos0 + 1) // bk - lo
+        a = jnp.clip(full_lo, 0, steps)
+        b = jnp.clip(full_hi, a, steps)
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(b, steps, functools.partial(step, masked=True), carry)
+
+        if cfg.num_splits == 1:
+            if sinks_ref is not None:
+                sink = plgpu.load(sinks_ref.at[h], layout=row_layout, optimized=False) * LOG2E
+                m_new = jnp.maximum(m_i, sink)
+                alpha = jnp.exp2(m_i - m_new)
+                l_i = l_i * alpha + jnp.exp2(sink - m_new)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            out = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+            if v_scale is not None:
+                out = out * v_scale
+            o_smem.at[wg][...] = out.astype(o_smem.dtype)
+            plgpu.commit_smem()
+
+            @pl.when(wg_tokens > 0)
+            def _():
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[
+                    0, h, entry, pl.ds(wg * tile_rows, tile_rows)])
+        else:
+            out = acc / lax.broadcast_in_dim(jnp.where(l_i == 0, 1.0, l_i), acc.shape, [0])
+            if v_scale is not None:
+                out = out * v_scale
+            # Natural-log LSE; an empty split has l = 0 -> -inf (weight 0 in the combine).
+            lse = jnp.where(l_i == 0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0, 1.0, l_i)))
+                            / LOG2E)
+            o_smem.at[wg][...] = out.astype(o_smem.dtype)
+            lse_smem.at[wg][...] = lse
+            plgpu.commit_smem()
+
+            @pl.when(wg_tokens > 0)
+            def _():
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[
+                    split, h, entry, pl.ds(wg * tile_rows, tile_rows)])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, tile_rows)], lse_ref.at[
+                    split, h, entry, pl.ds(wg * tile_rows, tile_rows)])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _tile_rows(work, group: int, cfg: Config):
+    """For each (entry, tile row): (token, query head within the KV head, is it live).
+
+    Warpgroup w of an entry owns tile rows [R w, R w + R) (R = cfg.tile_rows): row
+    R w + i is token w * (R // G) + i // G of the entry, query head i % G.
+    """
+    rows = cfg.tile_rows
+    tokens_per_wg = rows // group
+    lr = jnp.arange(cfg.compute_wgs * rows)[None, :]
+    wg, i = lr // rows, lr % rows
+    local_token = wg * tokens_per_wg + i // group
+    live = (i < tokens_per_wg * group) & (local_token < work[:, 2:3])
+    return work[:, 1:2] + local_token, i % group, live
+
+
+def _tile_queries(q, work, group: int, cfg: Config):
+    """q [T, Hq, D] -> per-entry query tiles [Hkv, entries, wgs * R, D] (dead rows 0).
+
+    Tiles, not q itself, because a TMA load into tiled shared memory needs a
+    tile-aligned global offset, which a ragged token start is not.
+    """
+    T, Hq, D = q.shape
+    token, g, live = _tile_rows(work, group, cfg)
+    qg = q.reshape(T, Hq // group, group, D)
+    tiles = qg[jnp.clip(token, 0, T - 1), :, g]  # [entries, rows, Hkv, D]
+    tiles = jnp.where(live[..., None, None], tiles, 0)
+    return tiles.transpose(2, 0, 1, 3)
+
+
+def _gather_rows(out, lse, work, num_tokens: int, group: int, cfg: Config, sinks):
+    """Per-entry output tiles -> q_t rows, merging KV splits.
+
+    out [splits, Hkv, entries, wgs * R, D] (f32 and normalized per split when
+    splits > 1), lse [splits, Hkv, entries, wgs * R] or None -> [Hkv, T * G, D].
+    """
+    splits, hkv, _, rows_per_entry, _ = out.shape
+    tokens_per_wg = cfg.tile_rows // group
+    # Row r of q_t is token r // group, query head r % group: find the work entry and
+    # the warpgroup row that computed it.
+    r = jnp.arange(num_tokens * group)
+    t = r // group
+    firsts, counts = work[:, 1], work[:, 2]
+    ent = jnp.searchsorted(jnp.where(counts > 0, firsts, num_tokens), t, side="right") - 1
+    ent = jnp.clip(ent, 0, work.shape[0] - 1)
+    live = (counts[ent] > 0) & (t >= firsts[ent]) & (t < firsts[ent] + counts[ent])
+    local_token = t - firsts[ent]
+    wg = local_token // tokens_per_wg
+    local = wg * cfg.tile_rows + (local_token - wg * tokens_per_wg) * group + r % group
+    local = jnp.clip(local, 0, rows_per_entry - 1)
+    out_p = out[:, :, ent, local]  # [splits, Hkv, T * G, D]
+    if lse is None:
+        return jnp.where(live[None, :, None], out_p[0], 0)
+    lse_rows = lse[:, :, ent, local]  # [splits, Hkv, T * G]
+    lse_rows = jnp.where(live[None, None], lse_rows, -jnp.inf)
+    m = jnp.max(lse_rows, axis=0)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(hkv, group)[:, r % group]  # [Hkv, R]
+        m = jnp.maximum(m, sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse_rows - m[None])
+    denom = jnp.sum(w, axis=0)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - m)
+    w = w / jnp.where(denom == 0, 1.0, denom)[None]
+    return jnp.sum(jnp.where(w[..., None] > 0, out_p, 0.0) * w[..., None], axis=0)
+
+
+def ragged_paged_attention_mgpu(
+    q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
+    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
+    config: Config | None = None,
+):
+    """Writes k/v into the pages and attends with the Mosaic GPU kernel (see module doc)."""
+    k_pages, v_pages = write_kv_pages(k, v, k_pages, v_pages, md, k_scale=k_scale,
+                                      v_scale=v_scale)
+    out = attend_pages_mgpu(q, k_pages, v_pages, md, sm_scale=sm_scale,
+                            sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                            k_scale=k_scale, v_scale=v_scale, config=config)
+    return out, k_pages, v_pages
+
+
+def attend_pages_mgpu(
+    q, k_pages, v_pages, md: AttentionMetadata, *,
+    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
+    config: Config | None = None,
+):
+    """The attention half: pages that already hold this step's k/v -> out [T, Hq, D]."""
+    T, Hq, D = q.shape
+    num_pages, page_size, Hkv, _ = k_pages.shape
+    S, P = md.page_indices.shape
+    G = Hq // Hkv
+    if (reason := unsupported_reason(q, k_pages)) is not None:
+        raise ValueError(f"mosaic attention: {reason}")
+    fp8 = k_pages.dtype == FP8_KV_DTYPE
+    # fp8 pages are upcast to f16 (one cvt instruction; e4m3 -> bf16 has none), so the
+    # queries and P run in f16 too: exact for e4m3 and P, and q's range fits f16.
+    compute_dtype = jnp.float16 if fp8 else q.dtype
+    cfg = config or choose_config(T, S, Hkv, P * page_size, D, G)
+    if cfg.tile_rows % 8 or not G <= cfg.tile_rows <= ROWS:
+        raise ValueError(f"mosaic attention: tile_rows {cfg.tile_rows}: a multiple of 8 "
+                         f"in [{G}, {ROWS}] required")
+    bk = cfg.block_kv
+    if bk % 64 or bk % page_size:
+        raise ValueError(f"mosaic attention: block_kv {bk} must be a multiple of 64 and of "
+                         f"page_size {page_size}")
+
+    cfg = _fit_stages(cfg, D, q.dtype, k_pages.dtype)
+    page_indices = jnp.clip(md.page_indices, 0, num_pages - 1)
+
+    tokens_per_block = cfg.compute_wgs * (cfg.tile_rows // G)
+    num_entries = -(-T // tokens_per_block) + min(S, T)
+    work = _work_list(md, num_entries, tokens_per_block)
+    q_tiles = _tile_queries(q, work, G, cfg).astype(compute_dtype)
+
+    split = cfg.num_splits > 1
+    out_dtype = jnp.float32 if split else q.dtype
+    rows_per_entry = cfg.compute_wgs * cfg.tile_rows
+    out_type = [jax.ShapeDtypeStruct((cfg.num_splits, Hkv, num_entries, rows_per_entry, D),
+                                     out_dtype)]
+    if split:
+        out_type.append(jax.ShapeDtypeStruct(
+            (cfg.num_splits, Hkv, num_entries, rows_per_entry), jnp.float32))
+    sinks_rows = None
+    if sinks is not None and not split:
+        # Per query row of a warpgroup tile: row r is query head r % G of the KV head.
+        sinks_rows = jnp.tile(sinks.astype(jnp.float32).reshape(Hkv, 1, G),
+                              (1, -(-ROWS // G), 1)).reshape(Hkv, -1)[:, :ROWS]
+
+    interpret = _interpret_params()
+
+    def swizzled(dtype):
+        # Rows of D elements, swizzled by the widest pattern a row fills (<= 128 bytes).
+        row_bytes = min(128, D * jnp.dtype(dtype).itemsize)
+        return (plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)),
+                plgpu.SwizzleTransform(row_bytes))
+    wgs, stages = cfg.compute_wgs, cfg.num_stages
+    scratch = [
+        plgpu.SMEM((wgs, ROWS, D), compute_dtype, transforms=swizzled(compute_dtype)),
+        plgpu.SMEM((stages, bk, D), k_pages.dtype, transforms=swizzled(k_pages.dtype)),
+        plgpu.SMEM((stages, bk, D), k_pages.dtype, transforms=swizzled(k_pages.dtype)),
+        plgpu.SMEM((wgs, ROWS, D), out_dtype, transforms=swizzled(out_dtype)),
+        plgpu.SMEM((wgs, ROWS), jnp.float32) if split else None,
+        plgpu.SMEM((wgs, bk, D), compute_dtype, transforms=swizzled(compute_dtype))
+        if fp8 else None,
+        plgpu.SMEM((wgs, bk, D), compute_dtype, transforms=swizzled(compute_dtype))
+        if fp8 else None,
+        # P goes through shared memory only in interpret mode (no register A operand there).
+        plgpu.SMEM((wgs, ROWS, bk), compute_dtype, transforms=swizzled(compute_dtype))
+        if interpret
+        else None,
+    ]
+    barriers = (
+        plgpu.Barrier(num_arrivals=bk // page_size, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=bk // page_size, num_barriers=stages),
+        plgpu.Barrier(num_barriers=wgs),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+    )
+    kernel_fn = functools.partial(
+        _attention_kernel, cfg=cfg, group=G, head_dim=D, page_size=page_size,
+        sm_scale=sm_scale * (k_scale if (fp8 and k_scale is not None) else 1.0),
+        sliding_window=sliding_window, soft_cap=soft_cap, fp8=fp8,
+        v_scale=v_scale if fp8 else None)
+
+    def entry(work_ref, pages_ref, q_ref, kp_ref, vp_ref, *rest):
+        if sinks_rows is not None:
+            sinks_ref, *rest = rest
+        else:
+            sinks_ref = None
+        out_ref, lse_ref = (rest[0], rest[1]) if split else (rest[0], None)
+        pl.run_scoped(
+            lambda *s: kernel_fn(work_ref, pages_ref, q_ref, kp_ref, vp_ref, sinks_ref,
+                                 out_ref, lse_ref, (*s[0], *s[1:])),
+            scratch, *barriers, collective_axes="wg")
+
+    args = [work, page_indices, q_tiles, k_pages, v_pages]
+    if sinks_rows is not None:
+        args.append(sinks_rows)
+    results = plgpu.kernel(
+        entry, out_type=out_type, grid=(Hkv, num_entries, cfg.num_splits),
+        grid_names=("h", "entry", "split"), num_threads=wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(*args)
+    out_t = _gather_rows(results[0], results[1] if split else None, work, T, G, cfg, sinks)
+    # Padding tokens (no CTA computes them) come back as 0, like the reference.
+    out = out_t.reshape(Hkv, T, G, D).transpose(1, 0, 2, 3).reshape(T, Hq, D)
+    return out.astype(q.dtype)
+
+
+def unsupported_reason(q, k_pages) -> str | None:
+    """Why this kernel cannot take these inputs (None if it can)."""
+    _, Hq, D = q.shape
+    _, page_size, Hkv, _ = k_pages.shape
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q dtype {q.dtype}: needs bfloat16 or float16"
+    if k_pages.dtype not in (q.dtype, FP8_KV_DTYPE):
+        return f"KV pages {k_pages.dtype} with q {q.dtype}"
+    if D % 64 or D > 256 or page_size % 8 or Hq // Hkv > ROWS:
+        return (f"head_dim {D} (multiple of 64, <= 256), page_size {page_size} (multiple "
+                f"of 8), {Hq // Hkv} query heads per KV head (<= {ROWS}) required")
+    return None
+
+
+def _interpret_params():
+    """Mosaic GPU interpret mode when there is no GPU (CPU tests); None compiles."""
+    if jax.default_backend() == "gpu":
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
