@@ -187,14 +187,15 @@ IMPLEMENTATIONS = ("reference", "pallas_tpu", "mosaic_gpu")
 def default_implementation(platform: str | None = None) -> str:
     """The backend `ragged_paged_attention` uses on a platform (default: jax's default backend).
 
-    Mosaic GPU needs Hopper (sm_90) or newer; older GPUs and the CPU use the reference.
+    The Mosaic GPU kernel is built on Hopper's wgmma (sm_90); other GPUs (older ones,
+    and Blackwell, whose tensor cores use tcgen05) and the CPU use the reference.
     """
     platform = platform or jax.default_backend()
     if platform == "tpu":
         return "pallas_tpu"
     if platform in ("gpu", "cuda"):
-        cc = getattr(jax.devices("gpu")[0], "compute_capability", "0")
-        if float(cc) >= 9.0:
+        cc = str(getattr(jax.devices("gpu")[0], "compute_capability", "0"))
+        if cc.split(".")[0] == "9":
             return "mosaic_gpu"
     return "reference"
 

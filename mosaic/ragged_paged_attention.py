@@ -267,8 +267,8 @@ def _attention_kernel(work_ref, page_indices_ref, q_ref, k_pages_ref, v_pages_re
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
-        # Blocks that need no mask: fully inside the window of the block's first token and
-        # at or before it causally (kv_len >= every position, so kv_len never bites there).
+        # Blocks that need no mask: inside every token's window (the last token's starts
+        # latest) and at or before the first token causally (so kv_len cannot bite).
         full_lo = jnp.int32(0)
         if sliding_window is not None:
             last_pos = pos0 + num_tokens - 1
