@@ -352,25 +352,21 @@ def _gather_rows(out, lse, work, num_tokens: int, group: int, cfg: Config, sinks
 
     out [splits, Hkv, entries, wgs * R, D] (f32 and normalized per split when
     splits > 1), lse [splits, Hkv, entries, wgs * R] or None -> [Hkv, T * G, D].
+    Row t * G + g of the result is token t, query head g; rows no tile computed
+    (padding tokens) are 0.
     """
-    splits, hkv, _, rows_per_entry, _ = out.shape
-    tokens_per_wg = cfg.tile_rows // group
-    # Row r of q_t is token r // group, query head r % group: find the work entry and
-    # the warpgroup row that computed it.
+    splits, hkv, entries, rows_per_entry, D = out.shape
+    # Invert _tile_rows: which tile row computed each q_t row.
+    token, g, live = _tile_rows(work, group, cfg)
+    dest = jnp.where(live, token * group + g, num_tokens * group).ravel()  # dead: dropped
+    src = jnp.zeros(num_tokens * group, jnp.int32).at[dest].set(
+        jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")
+    live = jnp.zeros(num_tokens * group, bool).at[dest].set(True, mode="drop")
     r = jnp.arange(num_tokens * group)
-    t = r // group
-    firsts, counts = work[:, 1], work[:, 2]
-    ent = jnp.searchsorted(jnp.where(counts > 0, firsts, num_tokens), t, side="right") - 1
-    ent = jnp.clip(ent, 0, work.shape[0] - 1)
-    live = (counts[ent] > 0) & (t >= firsts[ent]) & (t < firsts[ent] + counts[ent])
-    local_token = t - firsts[ent]
-    wg = local_token // tokens_per_wg
-    local = wg * cfg.tile_rows + (local_token - wg * tokens_per_wg) * group + r % group
-    local = jnp.clip(local, 0, rows_per_entry - 1)
-    out_p = out[:, :, ent, local]  # [splits, Hkv, T * G, D]
+    out_p = out.reshape(splits, hkv, entries * rows_per_entry, D)[:, :, src]
     if lse is None:
         return jnp.where(live[None, :, None], out_p[0], 0)
-    lse_rows = lse[:, :, ent, local]  # [splits, Hkv, T * G]
+    lse_rows = lse.reshape(splits, hkv, -1)[:, :, src]  # [splits, Hkv, T * G]
     lse_rows = jnp.where(live[None, None], lse_rows, -jnp.inf)
     m = jnp.max(lse_rows, axis=0)
     if sinks is not None:
