@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Issue 3 on the device: the attention GPU tests, then bench/attention.py; logs under $OUT.
 #   device run: bash bench/gpu_attention.sh [bench args]   (carry: .whl, from `pip wheel --no-deps . -w .whl`)
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-  .whl/jaxinfer-*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-REPO=$(pwd); cd /tmp  # the checkout's jaxinfer/ folder would shadow the installed wheel
+source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest "$REPO/tests/test_attention.py" -c "$REPO/pyproject.toml" \

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One device lease: install the jaxinfer wheel carried in .whl/, then benchmarks; logs under $OUT.
 #   device run: bash bench/gpu_run.sh   (carry: .whl, built with `pip wheel --no-deps . -w .whl`)
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/jaxinfer-*.whl || exit 1
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-REPO=$(pwd); cd /tmp  # so the checkout's jaxinfer/ folder does not shadow the installed package
+source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
 J="python3 -m jaxinfer.cli.main"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c 'import jax; print(jax.__version__, jax.devices())'

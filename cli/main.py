@@ -81,12 +81,19 @@ def generate(model_path, prompt, max_new_tokens, temperature, top_p, top_k, seed
 @click.argument("src")
 @click.argument("out")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]),
-              default="bfloat16", show_default=True)
-def convert(src, out, dtype):
+              default="bfloat16", show_default=True,
+              help="dtype of every float tensor (embeddings, norms, unquantized weights).")
+@click.option("--quantize", default=None, metavar="FORMAT",
+              help="Quantize the q/k/v/o and gate/up/down projections: int8 | int4 (one scale "
+                   "per output channel) | int8:gN | int4:gN (N = 32, 64 or 128 inputs per "
+                   "scale) | add :asym for zero points (e.g. int4:g128:asym) | fp8 (W8A8) | "
+                   "fp8:weight-only | none (all float). Default: HF weights stay float; a "
+                   "GGUF keeps its Q4_0 / Q4_1 / Q8_0 projections as they are.")
+def convert(src, out, dtype, quantize):
     """Convert an HF model directory or a .gguf file to a jaxinfer (Orbax) checkpoint."""
     from jaxinfer.checkpoint import convert as convert_checkpoint
 
-    path = convert_checkpoint(src, out, dtype=dtype)
+    path = convert_checkpoint(src, out, dtype=dtype, quantize=quantize)
     click.echo(f"wrote {path}")
 
 

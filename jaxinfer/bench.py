@@ -142,10 +142,19 @@ def bench_kernels(ceilings: Ceilings, backend: str = "reference", small: bool = 
 # --- end to end ------------------------------------------------------------------------------
 
 def weight_bytes(model) -> int:
+    """Bytes of every parameter (int4 at half a byte, as packed on the device)."""
     from flax import nnx
 
-    return sum(v.size * v.dtype.itemsize
+    return sum(v.size // 2 if v.dtype == jnp.int4 else v.size * v.dtype.itemsize
                for _, v in nnx.state(model, nnx.Param).flat_state())
+
+
+def weight_count(model) -> int:
+    """Number of weights, float or quantized (not counting quantization scales / offsets)."""
+    from flax import nnx
+
+    return sum(v.size for path, v in nnx.state(model, nnx.Param).flat_state()
+               if path[-1] not in ("weight_scale", "weight_offset"))
 
 
 def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ceilings,
@@ -179,7 +188,7 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
     mid_ctx = input_len + output_len // 2
     step_bytes = w_bytes + batch * mid_ctx * kv_token
     attn_flops = 4 * batch * mid_ctx * c.num_heads * c.head_dim * c.num_layers
-    step_flops = 2 * (w_bytes / itemsize) * batch + attn_flops
+    step_flops = 2 * weight_count(llm.model) * batch + attn_flops
     summary = {"batch": batch, "input_len": input_len, "output_len": output_len,
                "ttft_ms": ttft * 1e3, "itl_ms": itl * 1e3, "tokens_per_s": batch / itl,
                "weight_bytes": w_bytes}
@@ -210,7 +219,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     kv_reads = sum(output_len * (n + output_len / 2) for n in lens) * kv_token
     all_tokens = int(sum(lens)) + generated
     step_bytes = w_bytes + kv_reads / steps
-    step_flops = 2 * (w_bytes / itemsize) * all_tokens / steps
+    step_flops = 2 * weight_count(llm.model) * all_tokens / steps
     summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
                "seconds": elapsed, "steps": steps, "output_tokens_per_s": generated / elapsed,
                "requests_per_s": num_requests / elapsed}

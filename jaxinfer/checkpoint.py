@@ -1,10 +1,18 @@
 """Checkpoints: convert HF / GGUF sources to Orbax, and load any of the three into a model.
 
 A converted checkpoint is a directory:
-  model_config.json   our ModelConfig
+  model_config.json   our ModelConfig (`quantization` says how the projections were quantized)
   weights/            an Orbax checkpoint of a flat dict {key: array}, keys as in
                       `Decoder` (e.g. "layers.0.attn.q_proj.weight"), weights (out, in)
   tokenizer.json, tokenizer_config.json, ...  copied (HF) or rebuilt (GGUF)
+
+Quantized projections (q/k/v/o, gate/up/down only) are stored as the parts of a
+`jaxinfer.quant.QuantizedWeight` under the compressed-tensors / vLLM names:
+  layers.3.attn.q_proj.weight         values [N, K] int8, int4 or float8_e4m3fn
+  layers.3.attn.q_proj.weight_scale   scales [K // group, N] float32
+  layers.3.attn.q_proj.weight_offset  offsets like the scales (asymmetric formats only)
+A loader recognises them by their `weight_scale` key; fp8 weights take W8A8
+activations when the config's `quantization` format says so ("fp8").
 
 Conversion streams: tensors are read one at a time and written with Orbax
 partial saves in groups of at most GROUP_BYTES, so peak memory tracks the
@@ -15,6 +23,7 @@ beside OUT and renamed into place at the end, so a failure leaves nothing behind
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -31,10 +40,16 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_source import GGUFSource
 from jaxinfer.hf_source import HFSource
 from jaxinfer.models import Decoder
+from jaxinfer.models.layers import is_quantizable
+from jaxinfer.quant import FP8_DTYPE, VALUE_DTYPES, QuantFormat, QuantizedWeight, parse_format
+from jaxinfer.quant import quantize as quantize_weight
 
 GROUP_BYTES = 64 << 20
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 CONFIG_FILE, WEIGHTS_DIR = "model_config.json", "weights"
+SCALE, OFFSET = "_scale", "_offset"  # a quantized `...weight`'s companions add these
+_PARTS = (".weight" + SCALE, ".weight" + OFFSET)
+_QUANT_DTYPES = {jnp.dtype(d) for d in VALUE_DTYPES.values()}
 
 
 def _ocp():
@@ -70,11 +85,20 @@ def _key(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _checked_tensors(source, config: ModelConfig, dtype, want: dict | None = None):
-    """Source tensors cast to dtype, each checked against the model's shape; all must appear."""
+def _checked_tensors(source, config: ModelConfig, dtype, want: dict | None = None,
+                     fmt: QuantFormat | None = None, native: bool = True):
+    """(key, array) pairs, each source tensor checked against the model's shape; all must appear.
+
+    Float tensors are cast to dtype; with `fmt`, the decoder-block projections are
+    quantized to it instead. A GGUF's Q4_0 / Q4_1 / Q8_0 projections are kept as
+    they are if `native`. A quantized weight is yielded as its parts: `key` (values),
+    `key_scale` and, if asymmetric, `key_offset`.
+    """
     want = want or expected_shapes(config)
     seen = set()
-    for key, array, file in source.tensors():
+    tensors = (source.tensors(native=native and fmt is None) if isinstance(source, GGUFSource)
+               else source.tensors())
+    for key, array, file in tensors:
         if key not in want:
             if key == "lm_head" and config.tie_word_embeddings:
                 continue  # some tied checkpoints still carry a copy
@@ -84,18 +108,52 @@ def _checked_tensors(source, config: ModelConfig, dtype, want: dict | None = Non
             raise JaxinferError(f"{file}: tensor {key} has shape {tuple(array.shape)}, "
                                 f"the config implies {want[key]}")
         seen.add(key)
-        yield key, np.asarray(array).astype(dtype)
+        if fmt is not None and is_quantizable(key):
+            try:
+                array = quantize_weight(array, fmt)
+            except JaxinferError as e:
+                raise JaxinferError(f"{file}: tensor {key}: {e}") from None
+        if isinstance(array, QuantizedWeight):
+            yield key, array.values
+            yield key + SCALE, array.scales
+            if array.offsets is not None:
+                yield key + OFFSET, array.offsets
+        else:
+            yield key, np.asarray(array).astype(dtype)
     missing = sorted(set(want) - seen)
     if missing:
         raise JaxinferError(f"{source.path}: checkpoint is missing {len(missing)} tensors "
                             f"(first: {missing[0]})")
 
 
+def _quantize_format(quantize: str | None) -> QuantFormat | None:
+    """None / "none" -> None (no requantization); else the parsed format (JaxinferError if bad)."""
+    return None if quantize is None or quantize == "none" else parse_format(quantize)
+
+
+def _check_group_size(source, want: dict, fmt: QuantFormat):
+    """Every quantized projection's in_features K must be a multiple of the group size."""
+    g = fmt.group_size
+    for key, (_, k) in ((k, s) for k, s in want.items() if is_quantizable(k)):
+        if g and k % g:
+            raise JaxinferError(f"{source.path}: --quantize {fmt}: tensor {key} has "
+                                f"in_features K={k}, not a multiple of the group size {g}")
+
+
 def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
-            progress: bool = True) -> Path:
-    """Converts an HF directory or GGUF file to a jaxinfer (Orbax) checkpoint directory."""
+            quantize: str | None = None, progress: bool = True) -> Path:
+    """Converts an HF directory or GGUF file to a jaxinfer (Orbax) checkpoint directory.
+
+    `quantize` is a `jaxinfer.quant.parse_format` spelling ("int8", "int4:g128",
+    "fp8", ...) for the decoder-block projections, or "none". None (the default):
+    HF weights stay float, a GGUF keeps its Q4_0 / Q4_1 / Q8_0 projections as they
+    are (other tensor types are dequantized). "none" dequantizes everything; a
+    format dequantizes a GGUF's tensors and quantizes them to it. Everything that
+    is not quantized is cast to `dtype`.
+    """
     from tqdm import tqdm
 
+    fmt = _quantize_format(quantize)
     if dtype not in DTYPES:
         raise JaxinferError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     out = Path(out)
@@ -103,6 +161,9 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
         raise JaxinferError(f"{out}: already exists (remove it or pick another output)")
     source = open_source(src)
     config = source.config
+    want = expected_shapes(config)
+    if fmt is not None:
+        _check_group_size(source, want, fmt)
     tokenizer_files = source.tokenizer_files()
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     tmp = None
@@ -111,22 +172,26 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         ocp = _ocp()
         weights = tmp / WEIGHTS_DIR
-        group, group_bytes = {}, 0
-        want = expected_shapes(config)
+        group, group_bytes, native = {}, 0, False
         bar = tqdm(total=len(want), desc=f"convert {Path(src).name}", unit="tensor",
                    disable=not progress)
         with bar, warnings.catch_warnings():  # the bar ends its line before any error
             warnings.simplefilter("ignore")  # Orbax's experimental-API notices
-            for key, array in _checked_tensors(source, config, DTYPES[dtype], want):
+            for key, array in _checked_tensors(source, config, DTYPES[dtype], want, fmt,
+                                               native=quantize is None):
                 group[key] = array
                 group_bytes += array.nbytes
-                bar.update(1)
+                native |= key.endswith(SCALE)
+                if key in want:
+                    bar.update(1)
                 if group_bytes >= GROUP_BYTES:
                     ocp.partial.save(weights, group)
                     group, group_bytes = {}, 0
             if group:
                 ocp.partial.save(weights, group)
             ocp.partial.finalize(weights)
+        quantization = str(fmt) if fmt is not None else "gguf" if native else None
+        config = dataclasses.replace(config, quantization=quantization)
         (tmp / CONFIG_FILE).write_text(config.to_json())
         for name, data in tokenizer_files.items():
             (tmp / name).write_bytes(data)
@@ -150,7 +215,9 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
     Arrays go straight to `sharding` (default: the first device): Orbax restores
     each one into its target sharding, and direct HF/GGUF loads place tensors
     one at a time, so the model is never assembled on the host first.
-    `dtype` defaults to the stored dtype (converted) or bfloat16 (HF/GGUF).
+    `dtype` defaults to the stored dtype (converted) or bfloat16 (HF/GGUF); it
+    casts float parameters only. Quantized projections (a converted checkpoint's
+    `weight_scale` keys, a GGUF's Q4_0 / Q4_1 / Q8_0 tensors) stay quantized.
     """
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if isinstance(path, HFSource | GGUFSource):
@@ -159,18 +226,19 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
         path, source = Path(path), None
     if is_converted(path):
         config = ModelConfig.from_json_file(path / CONFIG_FILE)
+        activations = _activations(config, path / CONFIG_FILE)
         weights_dir = path / WEIGHTS_DIR
         ocp = _ocp()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                stored = ocp.metadata(weights_dir).metadata
-                abstract = {k: jax.ShapeDtypeStruct(m.shape, DTYPES.get(dtype, m.dtype),
+                stored = ocp.metadata(weights_dir.absolute()).metadata  # Orbax: absolute
+                _check_stored(weights_dir, expected_shapes(config), stored)
+                abstract = {k: jax.ShapeDtypeStruct(m.shape, _restore_dtype(k, m.dtype, dtype,
+                                                                            stored),
                                                     sharding=sharding)
                             for k, m in stored.items()}
-                want = expected_shapes(config)
-                _check_stored(weights_dir, want, abstract)
-                params = ocp.load(weights_dir, abstract)
+                params = ocp.load(weights_dir.absolute(), abstract)
         except JaxinferError:
             raise
         except Exception as e:
@@ -181,18 +249,91 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
         np_dtype = DTYPES[dtype or "bfloat16"]
         params = {k: jax.device_put(a, sharding)
                   for k, a in _checked_tensors(source, config, np_dtype)}
-    param_dtype = next(iter(params.values())).dtype
+        if any(k.endswith(SCALE) for k in params):  # a GGUF's own quantized tensors
+            config = dataclasses.replace(config, quantization="gguf")
+        activations = None
+    return _build_model(config, params, activations)
+
+
+def _activations(config: ModelConfig, where) -> str | None:
+    """The activations of fp8 weights ("fp8": W8A8, or None) from the config's format."""
+    if config.quantization in (None, "gguf"):
+        return None
+    try:
+        return parse_format(config.quantization).activations
+    except JaxinferError as e:
+        raise JaxinferError(f"{where}: quantization={config.quantization!r} is not a known "
+                            f"format ({e})") from None
+
+
+def _restore_dtype(key: str, stored_dtype, dtype: str | None, stored: dict):
+    """Quantized parts keep their stored dtype (scales and offsets float32); floats take dtype."""
+    if key.endswith(_PARTS):
+        return jnp.float32
+    if key + SCALE in stored:
+        return stored_dtype
+    return DTYPES.get(dtype, stored_dtype)
+
+
+def _module_at(model: Decoder, prefix: str):
+    """The submodule at a key prefix such as "layers.3.attn.q_proj"."""
+    obj = model
+    for part in prefix.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def _build_model(config: ModelConfig, params: dict, activations: str | None) -> Decoder:
+    """A Decoder holding `params` (checked already), its quantized projections quantized."""
+    param_dtype = params["embed.embedding"].dtype
     model = nnx.eval_shape(lambda: Decoder(config, dtype=param_dtype, rngs=nnx.Rngs(0)))
+    for key in params:
+        if key.endswith(_PARTS[0]):
+            weight = key.removesuffix(SCALE)
+            values = params[weight]
+            fp8 = jnp.dtype(values.dtype) == jnp.dtype(FP8_DTYPE)
+            _module_at(model, weight.removesuffix(".weight")).set_quantized(QuantizedWeight(
+                values, params[key], params.get(weight + OFFSET), activations if fp8 else None))
     state = nnx.state(model, nnx.Param)
     flat = [(p, v.replace(params[_key(p)])) for p, v in state.flat_state()]
     nnx.update(model, nnx.State.from_flat_path(flat))
     return model
 
 
-def _check_stored(weights_dir, want, abstract):
+def _check_stored(weights_dir, want: dict, stored: dict):
+    """Stored tensors (anything with .shape and .dtype) against the model's shapes.
+
+    A quantized projection `W.weight` [N, K] (int8 / int4 / fp8) comes with
+    `W.weight_scale` [G, N], G dividing K, and optionally `W.weight_offset` like it.
+    """
     for key, shape in want.items():
-        if key not in abstract:
+        if key not in stored:
             raise JaxinferError(f"{weights_dir}: checkpoint is missing tensor {key}")
-        if tuple(abstract[key].shape) != shape:
+        if tuple(stored[key].shape) != shape:
             raise JaxinferError(f"{weights_dir}: tensor {key} has shape "
-                                f"{tuple(abstract[key].shape)}, the config implies {shape}")
+                                f"{tuple(stored[key].shape)}, the config implies {shape}")
+        quantized_values = jnp.dtype(stored[key].dtype) in _QUANT_DTYPES
+        if quantized_values != (key + SCALE in stored):
+            raise JaxinferError(
+                f"{weights_dir}: tensor {key} is {jnp.dtype(stored[key].dtype)} "
+                + ("without" if quantized_values else "with")
+                + f" a {key}{SCALE} (quantized values are int8, int4 or float8_e4m3fn)")
+    for key, array in stored.items():
+        if not key.endswith(_PARTS):
+            continue
+        weight = key.removesuffix(SCALE).removesuffix(OFFSET)
+        if weight not in want or not is_quantizable(weight):
+            raise JaxinferError(f"{weights_dir}: tensor {key}: only the decoder-block "
+                                "projections (q/k/v/o, gate/up/down) can be quantized")
+        if weight + SCALE not in stored:
+            raise JaxinferError(f"{weights_dir}: tensor {key} has no {weight}{SCALE}")
+        n, k = want[weight]
+        shape = tuple(array.shape)
+        if (len(shape) != 2 or shape[1] != n or not shape[0] or k % shape[0]
+                or not jnp.issubdtype(array.dtype, jnp.floating)):
+            raise JaxinferError(f"{weights_dir}: tensor {key} is {jnp.dtype(array.dtype)} "
+                                f"{shape}; expected float [G, {n}] with G dividing "
+                                f"in_features {k}")
+        if key.endswith(OFFSET) and shape != tuple(stored[weight + SCALE].shape):
+            raise JaxinferError(f"{weights_dir}: tensor {key} has shape {shape}, its "
+                                f"{weight}{SCALE} {tuple(stored[weight + SCALE].shape)}")

@@ -65,6 +65,10 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # How `jaxinfer convert` quantized the decoder-block projections: a
+    # `jaxinfer.quant.parse_format` spelling ("int8", "int4:g128", "fp8", ...), "gguf"
+    # (a GGUF's own Q4_0 / Q4_1 / Q8_0 tensors kept as they are), or None (all float).
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -64,5 +64,7 @@ def default_model_path() -> Path:
     if not out.exists():
         gguf = default_gguf()
         print(f"Converting {gguf.name} into {out} (once) ...", file=sys.stderr)
-        convert(gguf, out, dtype="float32")
+        # Dequantized to float32 (not the GGUF's native int4): CPU CI runs and the tests that
+        # compare against transformers use this float model.
+        convert(gguf, out, dtype="float32", quantize="none")
     return out

@@ -1,10 +1,24 @@
-"""Reads a GGUF file: metadata -> ModelConfig, tensors dequantized with the `gguf`
-package, and the embedded tokenizer rebuilt as a `tokenizers` tokenizer.
+"""Reads a GGUF file: metadata -> ModelConfig, tensors, and the embedded tokenizer
+rebuilt as a `tokenizers` tokenizer.
+
+Tensors are either dequantized with the `gguf` package, or, for the decoder-block
+projections stored as Q4_0 / Q4_1 / Q8_0, imported as they are (`native=True`):
+their blocks are decoded here into a `QuantizedWeight` with group size 32, bit for bit
+(the same f16 scales, the same integers):
+
+  Q4_0  f16 d, 16 bytes of nibbles  W = d * (q - 8)        -> int4 values q - 8, scales d
+  Q4_1  f16 d, f16 m, 16 bytes      W = d * q + m          -> int4 values q - 8, scales d,
+                                                               offsets m + 8 d (float32)
+  Q8_0  f16 d, 32 int8              W = d * q              -> int8 values q, scales d
+
+(byte j of a 4-bit block holds element j in its low nibble and element j + 16 in
+its high one). Every other tensor type is dequantized.
 
 GGUF quirks handled here: ggml stores shapes innermost-first (numpy order is
 the reverse, which the gguf reader already gives), and llama.cpp permutes the
 rows of Llama's q/k projections for its interleaved RoPE, which we undo so the
-weights match HF's `rotate_half` convention.
+weights match HF's `rotate_half` convention (on the values' rows and the scales'
+and offsets' N axis for quantized tensors).
 """
 
 from __future__ import annotations
@@ -18,6 +32,8 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig, config_from_gguf
 from jaxinfer.errors import JaxinferError
+from jaxinfer.models.layers import is_quantizable
+from jaxinfer.quant import QuantizedWeight
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed.embedding",
@@ -68,6 +84,45 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _unpermute(w: np.ndarray | QuantizedWeight, n_heads: int) -> np.ndarray | QuantizedWeight:
+    if not isinstance(w, QuantizedWeight):
+        return _unpermute_rows(w, n_heads)
+    offsets = None if w.offsets is None else _unpermute_rows(w.offsets.T, n_heads).T
+    return QuantizedWeight(_unpermute_rows(w.values, n_heads),
+                           _unpermute_rows(w.scales.T, n_heads).T, offsets, w.activations)
+
+
+QK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
+# The ggml types imported without dequantizing -> bytes per block of 32 elements.
+NATIVE_TYPES = {"Q4_0": 2 + QK // 2, "Q4_1": 4 + QK // 2, "Q8_0": 2 + QK}
+
+
+def decode_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """Raw Q4_0 / Q4_1 / Q8_0 bytes of a [N, K] tensor -> QuantizedWeight (group 32, exact).
+
+    Values and scales (and Q4_1's offsets) are numpy arrays: int4 / int8 values
+    [N, K], float32 scales [K // 32, N].
+    """
+    import ml_dtypes
+
+    n, k = shape
+    if k % QK:
+        raise ValueError(f"{type_name} tensor with {k} columns (not a multiple of {QK})")
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(n, k // QK, NATIVE_TYPES[type_name])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, G]
+    offsets = None
+    if type_name == "Q8_0":
+        values = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    else:
+        qs = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8  # [N, G, 32]
+        values = q.reshape(n, k).astype(ml_dtypes.int4)
+        if type_name == "Q4_1":
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            offsets = np.ascontiguousarray((m + np.float32(8) * d).T)
+    return QuantizedWeight(values, np.ascontiguousarray(d.T), offsets)
+
+
 class GGUFSource:
     """A .gguf file (llama, mistral, qwen2, qwen3 architectures)."""
 
@@ -90,8 +145,14 @@ class GGUFSource:
         self.config: ModelConfig = config_from_gguf(self.meta, str(self.path),
                                                     has_output_tensor="output.weight" in names)
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray, str]]:
-        """Yields (our key, float32 array, file name), dequantizing one tensor at a time."""
+    def tensors(self, native: bool = True
+                ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight, str]]:
+        """Yields (our key, array, file name), one tensor at a time.
+
+        Arrays are float32 (dequantized), except, with `native`, the decoder-block
+        projections stored as Q4_0 / Q4_1 / Q8_0: `QuantizedWeight`s decoded from the
+        blocks as they are (see the module docstring).
+        """
         from gguf.quants import dequantize
 
         permute = self.config.family in ("llama", "mistral")
@@ -99,14 +160,19 @@ class GGUFSource:
             key = gguf_key(t.name)
             if key is None:
                 continue
+            type_name = t.tensor_type.name
             try:
-                w = dequantize(t.data, t.tensor_type)
+                if native and type_name in NATIVE_TYPES and is_quantizable(key):
+                    shape = tuple(int(d) for d in reversed(t.shape))  # ggml: innermost first
+                    w = decode_blocks(t.data, type_name, shape)
+                else:
+                    w = dequantize(t.data, t.tensor_type)
             except Exception as e:
                 raise JaxinferError(f"{self.path}: cannot read tensor {t.name} ({e})") from None
             if permute and key.endswith("attn.q_proj.weight"):
-                w = _unpermute_rows(w, self.config.num_heads)
+                w = _unpermute(w, self.config.num_heads)
             elif permute and key.endswith("attn.k_proj.weight"):
-                w = _unpermute_rows(w, self.config.num_kv_heads)
+                w = _unpermute(w, self.config.num_kv_heads)
             yield key, w, self.path.name
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -1,16 +1,30 @@
-"""The one linear-layer entry point: y = x @ W^T (+ b).
+"""The one linear-layer entry point: y = x @ W^T (+ b), for float and quantized weights.
 
 Weights are stored (N, K) = (out_features, in_features), K-major: the layout of
 HF checkpoints, and the one 8-bit tensor-core operands need (they cannot be
-transposed on the fly). The quantized-weight kernels plug in here.
+transposed on the fly). A float W is one XLA dot; a `QuantizedWeight` (int8 /
+int4 / fp8 values with per-group scales, see `jaxinfer.quant`) goes to
+`quantized_matmul`, which picks the kernel for the device.
 """
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.quant import QuantizedWeight
+from jaxinfer.quantized_matmul import quantized_matmul
 
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ weight [N, K]^T -> [..., N] in x.dtype (f32 accumulation)."""
+
+def linear(x: jax.Array, weight: jax.Array | QuantizedWeight,
+           bias: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x.dtype (f32 accumulation).
+
+    `weight` is a float array or a `QuantizedWeight`; the bias is always float.
+    """
+    if isinstance(weight, QuantizedWeight):
+        y = quantized_matmul(x, weight)
+        if bias is None:
+            return y
+        return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
     y = jax.lax.dot_general(
         x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
         preferred_element_type=jnp.float32,

@@ -1,12 +1,15 @@
 """Shared decoder layers: RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP.
 
 Parameter names match the checkpoint keys written by `jaxinfer convert`
-(e.g. `layers.3.attn.q_proj.weight`); linear weights are (out, in).
+(e.g. `layers.3.attn.q_proj.weight`); linear weights are (out, in). The q/k/v/o
+and gate/up/down projections may be quantized (`Linear.set_quantized`), adding
+`...weight_scale` and `...weight_offset` keys.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,19 +18,60 @@ from flax import nnx
 from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.linear import linear
+from jaxinfer.quant import QuantizedWeight
 
 _init = nnx.initializers.normal(0.02)
 
+# The Linear layers that may be quantized, by key inside `layers.{i}`; embeddings, the LM
+# head, norms and biases always stay float.
+QUANTIZABLE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_QUANTIZABLE_WEIGHT = re.compile(
+    r"layers\.\d+\.(?:" + "|".join(map(re.escape, QUANTIZABLE)) + r")\.weight")
+
+
+def is_quantizable(key: str) -> bool:
+    """Whether checkpoint key `key` is the weight of a projection that may be quantized."""
+    return _QUANTIZABLE_WEIGHT.fullmatch(key) is not None
+
 
 class Linear(nnx.Module):
-    """weight [out, in] (+ bias [out])."""
+    """weight [out, in] (+ bias [out]); or a quantized weight (see `set_quantized`).
+
+    A quantized layer holds the parts of a `QuantizedWeight` as parameters, under
+    the checkpoint keys `weight` (values [N, K] int8 / int4 / float8_e4m3fn),
+    `weight_scale` (scales [K // g, N] float32) and `weight_offset` (offsets like
+    the scales, or None), with `activations` ("fp8": W8A8) static.
+    """
 
     def __init__(self, in_features, out_features, *, bias, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(_init(rngs.params(), (out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+        self.weight_scale = nnx.data(None)
+        self.weight_offset = nnx.data(None)
+        self.activations = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight_scale is not None
+
+    def set_quantized(self, w: QuantizedWeight):
+        """Turns this layer into a quantized one holding `w` (W of the same [out, in] shape)."""
+        if tuple(w.shape) != tuple(self.weight.shape):
+            raise ValueError(f"set_quantized: weight {tuple(w.shape)}, layer "
+                             f"{tuple(self.weight.shape)}")
+        self.weight = nnx.Param(w.values)
+        self.weight_scale = nnx.Param(w.scales)
+        self.weight_offset = None if w.offsets is None else nnx.Param(w.offsets)
+        self.activations = w.activations
+
+    def quantized_weight(self) -> QuantizedWeight:
+        offset = None if self.weight_offset is None else self.weight_offset[...]
+        return QuantizedWeight(self.weight[...], self.weight_scale[...], offset, self.activations)
 
     def __call__(self, x):
-        return linear(x, self.weight[...], None if self.bias is None else self.bias[...])
+        w = self.quantized_weight() if self.quantized else self.weight[...]
+        return linear(x, w, None if self.bias is None else self.bias[...])
 
 
 class RMSNorm(nnx.Module):

@@ -40,15 +40,16 @@ def _train_tokenizer(out: Path):
         '{% if add_generation_prompt %}<assistant>{% endif %}"}')
 
 
-def make_hf_model(family: str, out: Path, seed: int = 0) -> Path:
+def make_hf_model(family: str, out: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random checkpoint of `family`; `overrides` replace config fields (e.g. sizes)."""
     import torch
     import transformers
 
     cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, **extra)
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=0, eos_token_id=1, **extra)
+    config = getattr(transformers, cls_name)(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)

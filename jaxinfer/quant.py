@@ -1,0 +1,173 @@
+"""Quantized linear weights: the one type every linear layer accepts, and the quantizers.
+
+A `QuantizedWeight` stands for a float weight W [N, K] = (out_features, in_features),
+stored K-major like the float weights (8-bit tensor-core operands cannot be
+transposed on the fly):
+
+  values   [N, K]                 int8, int4 (two per byte in device memory) or float8_e4m3fn
+  scales   [K // group_size, N]   float32; per-channel weights have one row (group_size == K)
+  offsets  None, or like scales   float32; asymmetric formats (GGUF Q4_1, AWQ zero points)
+
+  W[n, k] = values[n, k] * scales[k // group_size, n]  (+ offsets[k // group_size, n])
+
+An integer zero point z is the offset -z * scale, so one form covers AWQ's
+integer zero points and GGUF Q4_1's float minimum. Scales and offsets are kept
+in float32: exact for GGUF's float16 block scales, and 3-6 % of the int4 bytes
+at group 128.
+
+`activations="fp8"` (fp8 weights only) makes the matmul quantize activations
+per token to e4m3 on the fly (W8A8); otherwise weights are dequantized against
+bf16/f32 activations (weight-only).
+
+Formats are named by strings, as on the command line: "int8", "int4" (per
+channel), "int4:g128", "int8:g64", "int4:g128:asym", "fp8" (W8A8), "fp8:weight-only".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.errors import JaxinferError
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+GROUP_SIZES = (32, 64, 128)
+# Largest magnitude of each integer kind (symmetric formats use [-qmax, qmax]).
+INT_QMAX = {"int8": 127, "int4": 7}
+VALUE_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": FP8_DTYPE}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized W [N, K] (see the module docstring for layouts)."""
+
+    values: jax.Array
+    scales: jax.Array
+    offsets: jax.Array | None = None
+    activations: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    @property
+    def kind(self) -> str:
+        """'int8', 'int4' or 'fp8'."""
+        return {jnp.dtype(v): k for k, v in VALUE_DTYPES.items()}[jnp.dtype(self.values.dtype)]
+
+    @property
+    def group_size(self) -> int:
+        """K for per-channel scales, else the number of K elements sharing one scale."""
+        return self.values.shape[1] // self.scales.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a matmul reads: values (int4 at half a byte), scales and offsets."""
+        n, k = self.shape
+        value_bytes = n * k // 2 if self.kind == "int4" else n * k
+        extra = self.scales.size * 4 * (1 if self.offsets is None else 2)
+        return value_bytes + extra
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """What `quantize` produces; `parse_format` reads the command-line spelling."""
+
+    kind: str  # "int8" | "int4" | "fp8"
+    group_size: int | None = None  # None: one scale per output channel
+    asymmetric: bool = False  # offsets (zero points) per group / channel
+    activations: str | None = None  # "fp8": W8A8
+
+    def __str__(self):
+        parts = [self.kind]
+        if self.group_size:
+            parts.append(f"g{self.group_size}")
+        if self.asymmetric:
+            parts.append("asym")
+        if self.kind == "fp8" and self.activations is None:
+            parts.append("weight-only")
+        return ":".join(parts)
+
+
+def parse_format(spec: str) -> QuantFormat:
+    """'int8' | 'int4' | 'int4:g128' | 'int8:g32:asym' | 'fp8' | 'fp8:weight-only'."""
+    kind, *options = spec.split(":")
+    if kind not in VALUE_DTYPES:
+        raise JaxinferError(f"--quantize {spec!r}: unknown format {kind!r} "
+                            "(expected int8, int4 or fp8, e.g. int4:g128)")
+    group_size, asymmetric = None, False
+    activations = "fp8" if kind == "fp8" else None
+    for opt in options:
+        if opt.startswith("g") and opt[1:].isdigit() and kind != "fp8":
+            group_size = int(opt[1:])
+            if group_size not in GROUP_SIZES:
+                raise JaxinferError(f"--quantize {spec!r}: group size {group_size} is not one "
+                                    f"of {', '.join(map(str, GROUP_SIZES))}")
+        elif opt == "asym" and kind != "fp8":
+            asymmetric = True
+        elif opt == "weight-only" and kind == "fp8":
+            activations = None
+        else:
+            raise JaxinferError(f"--quantize {spec!r}: unknown option {opt!r} for {kind}")
+    return QuantFormat(kind, group_size, asymmetric, activations)
+
+
+def quantize(w: jax.Array | np.ndarray, fmt: QuantFormat | str) -> QuantizedWeight:
+    """Quantizes a float W [N, K] (round to nearest, scales from each group's range)."""
+    fmt = parse_format(fmt) if isinstance(fmt, str) else fmt
+    w = jnp.asarray(w, jnp.float32)
+    n, k = w.shape
+    g = fmt.group_size or k
+    if k % g:
+        raise JaxinferError(f"cannot quantize a [{n}, {k}] weight with group size {g}: "
+                            f"in_features {k} is not a multiple of it")
+    groups = w.reshape(n, k // g, g)
+    if fmt.kind == "fp8":
+        absmax = jnp.max(jnp.abs(groups), axis=-1)
+        scales = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
+        values = jnp.clip(groups / scales[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+        return QuantizedWeight(values.reshape(n, k), scales.T, None, fmt.activations)
+    qmax = INT_QMAX[fmt.kind]
+    if fmt.asymmetric:
+        lo, hi = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)
+        levels = 2 * qmax + 1  # e.g. int4: 15 steps over [-8, 7]
+        scales = jnp.where(hi > lo, (hi - lo) / levels, 1.0)
+        q = jnp.round((groups - lo[..., None]) / scales[..., None]) - (qmax + 1)
+        values = jnp.clip(q, -qmax - 1, qmax)
+        offsets = (lo + (qmax + 1) * scales).T
+    else:
+        absmax = jnp.max(jnp.abs(groups), axis=-1)
+        scales = jnp.where(absmax > 0, absmax / qmax, 1.0)
+        values = jnp.clip(jnp.round(groups / scales[..., None]), -qmax, qmax)
+        offsets = None
+    values = values.astype(VALUE_DTYPES[fmt.kind]).reshape(n, k)
+    return QuantizedWeight(values, scales.T, offsets, None)
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """W [N, K] in dtype (computed in float32)."""
+    n, k = w.shape
+    g = w.group_size
+    groups = w.values.astype(jnp.float32).reshape(n, k // g, g)
+    out = groups * w.scales.T[..., None]
+    if w.offsets is not None:
+        out = out + w.offsets.T[..., None]
+    return out.reshape(n, k).astype(dtype)
+
+
+def error_bound(w: QuantizedWeight) -> jax.Array:
+    """Per-element bound [N, K] on |dequantize(quantize(W)) - W| for round-to-nearest.
+
+    Integers: half a step (scale / 2). fp8 e4m3: 3 mantissa bits, so a relative
+    error of 2^-4 of the value, plus half of the smallest subnormal step.
+    """
+    n, k = w.shape
+    scale = jnp.repeat(w.scales.T, w.group_size, axis=1)
+    if w.kind == "fp8":
+        return (jnp.abs(dequantize(w)) * 2.0 ** -4 + scale * 2.0 ** -10).reshape(n, k)
+    return scale / 2

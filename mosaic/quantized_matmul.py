@@ -1,0 +1,307 @@
+"""Weight-quantized matmul for Hopper, as a Mosaic GPU kernel (`plgpu.kernel`).
+
+Same contract as `jaxinfer.quantized_matmul.quantized_matmul_reference` (the
+spec): x [M, K] bf16/f16, W a `QuantizedWeight` (values [N, K] int8 or int4,
+scales [K // g, N] f32, optional offsets) -> y [M, N] in x.dtype.
+
+Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
+- Operands swap: the weight tile is the register A operand (M = 64 weight rows
+  per CTA), the token tile is B (N = `tile_m` tokens, 8..MAX_KERNEL_M), so a
+  decode batch of 1..16 tokens wastes no tensor-core rows on padding beyond
+  the 8-token minimum, and the weight streams through once.
+- K is cut into pieces of `piece` columns (the group size for group-wise
+  scales, else 128). Per pipeline step a producer warpgroup issues one TMA per
+  piece for the weight rows and one for the token rows (and one for the step's
+  group scales) into a `num_stages`-deep ring.
+- Two consumer warpgroups take alternate pieces of each step (a K split inside
+  the CTA, so one's upcast overlaps the other's MMAs). Each loads its pieces
+  from shared memory in the WGMMA_UPCAST_2X register layout, upcasts them to
+  the activation dtype in registers, multiplies group-wise pieces by their
+  per-row scales, relays them out as wgmma's A operand and accumulates into one
+  accumulator for the whole K loop; a step's slot returns to the producer once
+  the next step's MMAs are issued and its own have finished. Per-channel scales
+  are applied once at the end.
+- Split-K over the grid fills the SMs when N / 64 alone would not. Every
+  (split, consumer) writes float32 partial sums [64, tile_m]; XLA adds them up,
+  transposes back to [M, N] and, for asymmetric formats, adds the offset term
+  (x summed over each group) @ offsets, a [M, K/g] x [K/g, N] product.
+- Above MAX_KERNEL_M tokens `quantized_matmul_mgpu` hands the product to XLA
+  (see the constant's comment).
+
+On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode
+(tests); there the upcast weight piece goes through shared memory, because
+interpret mode has no register A operand. Constraints (else
+`unsupported_reason`): weight-only int8 / int4, x in bf16 or fp16, N a
+multiple of 64, K a multiple of the piece (the group size, or 128).
+fp8 weights go to XLA: W8A8 runs as XLA's fp8 dot (cuBLASLt), and e4m3 has no
+direct upcast to bf16 in registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxinfer.quant import QuantizedWeight, dequantize
+from jaxinfer.quantized_matmul import quantized_matmul_reference
+
+ROWS = 64  # weight rows per consumer warpgroup (the wgmma M tile)
+NUM_SMS = 132  # H100 SXM; only used to pick the number of K splits
+SMEM_BYTES = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    tile_m: int = 16  # tokens per CTA (wgmma N): a multiple of 8, <= MAX_KERNEL_M
+    pieces_per_step: int = 4  # K pieces per pipeline step (a multiple of compute_wgs)
+    num_stages: int = 4  # steps in flight
+    compute_wgs: int = 2  # consumer warpgroups per CTA (1 or 2), splitting each step's pieces
+    k_splits: int = 1  # K splits across CTAs (split-K)
+
+
+# Above MAX_KERNEL_M tokens the kernel's tensor-core work (one 64-row wgmma per 16 K
+# columns and 64 weight rows) no longer hides under the weight stream, and XLA does
+# better (measured, bench/RESULTS.md): per-channel weights by its dot with the
+# dequantisation fused in, group-wise ones (which XLA would dequantise on every call
+# anyway) by one dequantising pass into a bf16 copy and XLA's bf16 GEMM.
+MAX_KERNEL_M = 32
+
+
+def piece_size(w: QuantizedWeight) -> int:
+    g = w.group_size
+    return g if g < w.shape[1] else 128
+
+
+def _smem_bytes(cfg: Config, piece: int, value_bits: int, x_bytes: int, grouped: bool,
+                interpret: bool) -> int:
+    per_piece = ROWS * piece * value_bits // 8 + cfg.tile_m * piece * x_bytes
+    per_piece += ROWS * 4 if grouped else 0
+    fixed = cfg.compute_wgs * ROWS * (cfg.tile_m * 4 + (piece * x_bytes if interpret else 0))
+    return fixed + cfg.num_stages * cfg.pieces_per_step * per_piece + 1024
+
+
+def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: int = 2,
+                  grouped: bool = False, interpret: bool = False) -> Config:
+    """Static heuristics for the memory-bound regime (small M): split K until the grid
+    covers the SMs once (a second wave of one-CTA-per-SM blocks would idle the tail), then
+    about 32 KB of weights per step, four steps in flight, two consumer warpgroups."""
+    tile_m = max(8, -(-min(m, MAX_KERNEL_M) // 8) * 8)
+    total_pieces = k // piece
+    wgs = 2 if total_pieces % 2 == 0 else 1
+    ctas = (n // ROWS) * -(-m // tile_m)
+    splits = 1  # each split keeps at least two steps of one piece per consumer
+    while ctas * splits * 2 <= NUM_SMS and total_pieces % (splits * 2 * 2 * wgs) == 0:
+        splits *= 2
+    per_split = total_pieces // splits
+    pps = wgs * max(1, min(8 // wgs, 32768 // (ROWS * piece * value_bits // 8) // wgs))
+    while per_split % pps or per_split // pps < 2 and pps > wgs:
+        pps -= wgs
+    cfg = Config(tile_m=tile_m, pieces_per_step=pps, num_stages=4, compute_wgs=wgs,
+                 k_splits=splits)
+    while _smem_bytes(cfg, piece, value_bits, x_bytes, grouped, interpret) > SMEM_BYTES:
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.pieces_per_step > wgs and per_split % (cfg.pieces_per_step // 2) == 0 \
+                and (cfg.pieces_per_step // 2) % wgs == 0:
+            cfg = dataclasses.replace(cfg, pieces_per_step=cfg.pieces_per_step // 2)
+        else:
+            break
+    return cfg
+
+
+def _transforms(dtype, cols: int):
+    """Shared-memory tiling + the widest swizzle a row fills (rows under 32 bytes, int4
+    groups of 32, stay plain: they are only read into registers, never by wgmma)."""
+    bits = 4 if dtype == jnp.int4 else jnp.dtype(dtype).itemsize * 8
+    row_bytes = cols * bits // 8
+    for s in (128, 64, 32):
+        if row_bytes % s == 0:
+            return (plgpu.TilingTransform((8, s * 8 // bits)), plgpu.SwizzleTransform(s))
+    return ()
+
+
+def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped: bool,
+            steps: int, interpret: bool):
+    w_smem, x_smem, s_smem, o_smem, a_smem, ready, free = scratch
+    n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    pps, stages, wgs = cfg.pieces_per_step, cfg.num_stages, cfg.compute_wgs
+    first_piece = split * (steps * pps)
+
+    @pl.when(wg == wgs)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def produce(step, _):
+            slot = lax.rem(step, jnp.int32(stages))
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+            p0 = first_piece + step * pps
+            for p in range(pps):
+                plgpu.copy_gmem_to_smem(w_ref.at[n_blk, :, p0 + p, :],
+                                        w_smem.at[slot, p], ready.at[slot])
+                plgpu.copy_gmem_to_smem(x_ref.at[m_blk, :, p0 + p, :],
+                                        x_smem.at[slot, p], ready.at[slot])
+            if grouped:
+                plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(p0, pps), n_blk, :],
+                                        s_smem.at[slot], ready.at[slot])
+            return ()
+
+        lax.fori_loop(0, steps, produce, ())
+
+    @pl.when(wg < wgs)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+
+        def weight_piece(slot, p):
+            """Piece p of the slot's weight rows, upcast (and group-scaled) in registers."""
+            # The upcast register layout (int4 also loads in it: the 4X layout's wider
+            # loads plus a regrouping measured no faster), then wgmma's A layout.
+            w = plgpu.load(w_smem.at[slot, p], (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+            w = plgpu.layout_cast(w.astype(x_smem.dtype), plgpu.Layout.WGMMA)
+            if grouped:
+                # Dequantise before the MMA (one multiply per weight) so that every piece
+                # accumulates into one accumulator without waiting on the tensor core.
+                scale = plgpu.load(s_smem.at[slot, p], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                w = w * lax.broadcast_in_dim(scale.astype(w.dtype), w.shape, [0])
+            if interpret:  # interpret mode: wgmma's A operand must be in SMEM
+                a_smem.at[wg][...] = w
+                plgpu.commit_smem()
+                w = a_smem.at[wg]
+            return w
+
+        def mma(acc_ref):
+            # Warpgroup wg takes pieces wg, wg + wgs, ... of every step (a split of K
+            # inside the CTA: consumers overlap one another's upcasts and MMAs).
+            def step(i, _):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(ready.at[slot])
+                mine = range(0, pps, wgs)
+                for j in mine:
+                    p = j + wg if wgs > 1 else j
+                    w = weight_piece(slot, p)
+                    plgpu.wgmma(acc_ref, w, x_smem.at[slot, p].transpose((1, 0)))
+                # This step's MMAs may still run; the previous step's are done, so its
+                # slot goes back to the producer (if the producer will refill it).
+                plgpu.wgmma_wait(len(mine))
+
+                @pl.when((i > 0) & (i - 1 + stages < steps))
+                def _():
+                    plgpu.barrier_arrive(free.at[lax.rem(i + stages - 1, jnp.int32(stages))])
+                return ()
+
+            lax.fori_loop(0, steps, step, ())
+            return acc_ref[...]
+
+        acc = pl.run_scoped(mma, plgpu.ACC((ROWS, cfg.tile_m), jnp.float32))
+        if not grouped:
+            scale = plgpu.load(scales_ref.at[0, n_blk], (), layout=plgpu.Layout.WGMMA.reduce(1),
+                               optimized=False)
+            acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+        o_smem.at[wg][...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[split * wgs + wg, n_blk, m_blk])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
+                          config: Config | None = None) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] in x.dtype (see the module docstring)."""
+    if (reason := unsupported_reason(x, w)) is not None:
+        raise ValueError(f"mosaic quantized matmul: {reason}")
+    m, k = x.shape
+    n = w.shape[0]
+    if config is None and m > MAX_KERNEL_M:
+        if w.group_size == k and w.offsets is None:
+            return quantized_matmul_reference(x, w)
+        # The barrier keeps XLA from fusing the dequantisation into its GEMM (which it then
+        # redoes per output tile); the pass reads the quantized bytes and writes 2NK once.
+        w_bf16 = lax.optimization_barrier(dequantize(w, x.dtype))
+        y = lax.dot_general(x, w_bf16, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    piece = piece_size(w)
+    grouped = w.group_size < k
+    bits = 4 if w.kind == "int4" else 8
+    interpret = _interpret_params()
+    cfg = config or choose_config(m, n, k, piece, bits, x.dtype.itemsize, grouped,
+                                  interpret is not None)
+    pps, wgs, tm, stages = cfg.pieces_per_step, cfg.compute_wgs, cfg.tile_m, cfg.num_stages
+    total_pieces = k // piece
+    if (total_pieces % (pps * cfg.k_splits) or pps % wgs or wgs not in (1, 2) or tm % 8
+            or tm > MAX_KERNEL_M):
+        raise ValueError(f"mosaic quantized matmul: config {cfg} does not tile "
+                         f"M={m} N={n} K={k} (piece {piece})")
+    steps = total_pieces // (pps * cfg.k_splits)
+    stages = min(stages, steps)
+    cfg = dataclasses.replace(cfg, num_stages=stages)
+    n_blocks, m_tiles = n // ROWS, -(-m // tm)
+
+    # Views whose TMA offsets fall on untiled (leading) dimensions only.
+    w_view = w.values.reshape(n_blocks, ROWS, total_pieces, piece)
+    x_pad = jnp.pad(x, ((0, m_tiles * tm - m), (0, 0)))
+    x_view = x_pad.reshape(m_tiles, tm, total_pieces, piece)
+    scales_view = w.scales.reshape(-1, n_blocks, ROWS)
+
+    scratch = [
+        plgpu.SMEM((stages, pps, ROWS, piece), w.values.dtype,
+                   transforms=_transforms(w.values.dtype, piece)),
+        plgpu.SMEM((stages, pps, tm, piece), x.dtype, transforms=_transforms(x.dtype, piece)),
+        plgpu.SMEM((stages, pps, ROWS), jnp.float32) if grouped else None,
+        plgpu.SMEM((wgs, ROWS, tm), jnp.float32),
+        plgpu.SMEM((wgs, ROWS, piece), x.dtype, transforms=_transforms(x.dtype, piece))
+        if interpret else None,
+    ]
+    copies = 2 * pps + (1 if grouped else 0)
+    barriers = (plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
+    kernel_fn = functools.partial(_kernel, cfg=cfg, grouped=grouped, steps=steps,
+                                  interpret=interpret is not None)
+
+    def entry(w_ref, x_ref, s_ref, out_ref):
+        pl.run_scoped(lambda *s: kernel_fn(w_ref, x_ref, s_ref, out_ref, (*s[0], *s[1:])),
+                      scratch, *barriers, collective_axes="wg")
+
+    partial = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((cfg.k_splits * wgs, n_blocks, m_tiles, ROWS, tm),
+                                      jnp.float32),
+        grid=(n_blocks, m_tiles, cfg.k_splits), grid_names=("n", "m", "split"),
+        num_threads=wgs + 1, thread_name="wg", interpret=interpret,
+    )(w_view, x_view, scales_view)
+    # [splits, N / 64, m_tiles, 64, tm] -> [M, N]
+    y = partial.sum(axis=0).transpose(1, 3, 0, 2).reshape(m_tiles * tm, n)[:m]
+    if w.offsets is not None:
+        g = w.group_size
+        x_sums = x.astype(jnp.float32).reshape(m, k // g, g).sum(axis=-1)
+        y = y + jnp.dot(x_sums, w.offsets, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
+    """Why this kernel cannot take these inputs (None if it can)."""
+    n, k = w.shape
+    if w.kind not in ("int8", "int4"):
+        return f"{w.kind} weights go to XLA (fp8 dot / dequantize)"
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"x dtype {x.dtype}: needs bfloat16 or float16"
+    piece = piece_size(w)
+    if n % ROWS or k % piece:
+        return f"N={n} must be a multiple of {ROWS} and K={k} of {piece}"
+    return None
+
+
+def _interpret_params():
+    """Mosaic GPU interpret mode when there is no GPU (CPU tests); None compiles."""
+    if jax.default_backend() == "gpu":
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()

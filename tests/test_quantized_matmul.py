@@ -1,0 +1,168 @@
+"""Quantized weights: quantise-dequantise bounds per format, and every `quantized_matmul`
+implementation against an independent float64 oracle (cases in quant_cases.py).
+
+Kernels run in interpret mode on the CPU (Mosaic GPU: uninitialised memory reads
+as NaN, so an unwritten output element fails) and natively under `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from quant_cases import CASES, Case, build, oracle, stored_weight
+
+from jaxinfer.errors import JaxinferError
+from jaxinfer.quant import QuantizedWeight, dequantize, error_bound, parse_format, quantize
+from jaxinfer.quantized_matmul import quantized_matmul
+
+gpu = pytest.mark.gpu
+# (implementation, platform): kernels run in interpret mode on the CPU.
+BACKENDS = [
+    ("reference", "cpu"), pytest.param("reference", "gpu", marks=gpu),
+    ("mosaic_gpu", "cpu"), pytest.param("mosaic_gpu", "gpu", marks=gpu),
+    ("pallas_tpu", "cpu"),
+]
+
+
+def unsupported_reason(implementation: str, x, qw) -> str | None:
+    if implementation == "reference":
+        return None
+    module = importlib.import_module({"mosaic_gpu": "jaxinfer.mosaic.quantized_matmul",
+                                      "pallas_tpu": "jaxinfer.pallas_kernels.quantized_matmul"}
+                                     [implementation])
+    return module.unsupported_reason(x, qw)
+
+
+def run(case: Case, implementation: str, platform: str):
+    b = build(case)
+    with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
+        qw = quantize(b["w"], case.fmt)
+        x = jnp.asarray(b["x"], case.dtype)
+        reason = unsupported_reason(implementation, x, qw)
+        if reason is not None:
+            # A forced kernel says why it cannot; the default dispatch falls back to XLA.
+            with pytest.raises(ValueError, match=re.escape(reason)):
+                quantized_matmul(x, qw, implementation=implementation)
+            implementation = None
+        fn = jax.jit(functools.partial(quantized_matmul, implementation=implementation))
+        y = fn(x, qw)
+    assert y.dtype == x.dtype and y.shape == (case.m, case.n)
+    return b, qw, np.asarray(y.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("implementation,platform", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_oracle(name, implementation, platform):
+    case = CASES[name]
+    b, qw, y = run(case, implementation, platform)
+    assert np.isfinite(y).all(), f"non-finite outputs at {np.argwhere(~np.isfinite(y))[:5]}"
+    want, allowance = oracle(case, b["x"], qw)
+    err = np.abs(y - want)
+    worst = np.unravel_index(np.argmax(err - allowance), err.shape)
+    assert (err <= allowance).all(), (
+        f"{name}/{implementation}: |y - oracle| = {err[worst]:.3g} > {allowance[worst]:.3g} "
+        f"at {worst} (y={y[worst]:.5g}, oracle={want[worst]:.5g})")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8:g32", "int8:g128:asym", "int4", "int4:g64",
+                                 "int4:g128", "int4:g32:asym", "fp8", "fp8:weight-only"])
+def test_quantize_dequantize_error_bound(fmt):
+    w = build(Case(fmt, 1, 128, 512, outliers=True, seed=7))["w"]
+    qw = quantize(w, fmt)
+    f = parse_format(fmt)
+    n, k = w.shape
+    g = f.group_size or k
+    assert qw.values.dtype == {"int8": jnp.int8, "int4": jnp.int4,
+                               "fp8": jnp.float8_e4m3fn}[f.kind]
+    assert qw.values.shape == (n, k) and qw.scales.shape == (k // g, n)
+    assert qw.scales.dtype == jnp.float32 and qw.group_size == g
+    assert (qw.offsets is not None) == f.asymmetric
+    err = np.abs(np.asarray(dequantize(qw)) - w)
+    # (plus float32 rounding of the dequantised value itself)
+    bound = np.asarray(error_bound(qw)) + 2.0 ** -20 * np.abs(w) + 1e-9
+    assert (err <= bound).all(), f"{fmt}: max excess {np.max(err - bound):.3g}"
+    # dequantize agrees with the oracle's reading of the stored parts.
+    np.testing.assert_allclose(np.asarray(dequantize(qw)), stored_weight(qw), rtol=1e-6,
+                               atol=1e-6 * np.abs(w).max())  # offset + q * scale cancels
+    # Integer formats use their range: the largest |value| in each group hits qmax.
+    if f.kind != "fp8" and not f.asymmetric:
+        qmax = {"int8": 127, "int4": 7}[f.kind]
+        v = np.abs(np.asarray(qw.values.astype(jnp.int8))).reshape(n, k // g, g)
+        assert (v.max(axis=-1) == qmax).all()
+
+
+def test_quantize_all_zero_rows_and_int4_packing():
+    w = np.zeros((128, 256), np.float32)
+    w[1] = np.linspace(-1, 1, 256)
+    qw = quantize(w, "int4:g64")
+    assert np.isfinite(np.asarray(qw.scales)).all()
+    np.testing.assert_array_equal(np.asarray(dequantize(qw))[0], 0)
+    # int4 values occupy half a byte each on the device (two per byte).
+    assert qw.nbytes == 128 * 256 // 2 + qw.scales.size * 4
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("int3", "unknown format 'int3'"),
+    ("int4:g100", "group size 100"),
+    ("fp8:g128", "unknown option 'g128' for fp8"),
+    ("int8:weird", "unknown option 'weird'"),
+])
+def test_bad_format_strings(spec, message):
+    with pytest.raises(JaxinferError, match=message):
+        parse_format(spec)
+
+
+def test_group_must_divide_k():
+    with pytest.raises(JaxinferError, match="in_features 200 is not a multiple of it"):
+        quantize(np.ones((128, 200), np.float32), "int4:g128")
+
+
+def test_leading_dims_and_feature_check():
+    qw = quantize(build(Case("int8", 1, 128, 256))["w"], "int8")
+    x = jnp.ones((2, 3, 256), jnp.bfloat16)
+    assert quantized_matmul(x, qw, implementation="reference").shape == (2, 3, 128)
+    with pytest.raises(ValueError, match="x has 255 features, the weight 256"):
+        quantized_matmul(jnp.ones((1, 255), jnp.bfloat16), qw)
+
+
+def test_weight_is_a_pytree_with_static_activation_mode():
+    qw = quantize(np.ones((128, 256), np.float32), "fp8")
+    leaves, treedef = jax.tree_util.tree_flatten(qw)
+    assert len(leaves) == 2  # values, scales (no offsets)
+    again = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert isinstance(again, QuantizedWeight) and again.activations == "fp8"
+
+
+MOSAIC_CONFIGS = {
+    "one_consumer": dict(compute_wgs=1, pieces_per_step=1, num_stages=2),
+    "split_k_2": dict(k_splits=2, pieces_per_step=2, num_stages=2),
+    "deep_ring": dict(pieces_per_step=2, num_stages=4),
+    "tile_m_32": dict(tile_m=32, pieces_per_step=2, num_stages=2),
+}
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("config", list(MOSAIC_CONFIGS))
+@pytest.mark.parametrize("name", ["int8_m200", "int4_g128_m16", "int4_g32_asym_m2"])
+def test_mosaic_configs(name, config, platform):
+    """The Mosaic kernel's tilings (consumers, split-K, ring depth, token tiles over
+    several M tiles, which the default dispatch sends to XLA) agree too."""
+    from jaxinfer.mosaic.quantized_matmul import Config, quantized_matmul_mgpu
+
+    case = CASES[name]
+    b = build(case)
+    with jax.default_device(jax.devices(platform)[0]):
+        qw = quantize(b["w"], case.fmt)
+        cfg = Config(**{**dict(tile_m=16), **MOSAIC_CONFIGS[config]})
+        y = jax.jit(functools.partial(quantized_matmul_mgpu, config=cfg))(
+            jnp.asarray(b["x"], case.dtype), qw)
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    want, allowance = oracle(case, b["x"], qw)
+    assert np.isfinite(y).all() and (np.abs(y - want) <= allowance).all(), (
+        f"{name}/{config}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
