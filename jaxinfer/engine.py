@@ -1,10 +1,18 @@
-"""The engine: requests, a page allocator, and a continuous-batching scheduler.
+"""The engine: requests, the KV page pool, and a continuous-batching scheduler.
 
 Each `step()` builds one ragged batch: every running request that has caught
 up with its tokens decodes one token, and requests still prefilling add a
-chunk of their prompt, all under a per-step token budget. A request gets all
-the pages it can ever need (prompt + max_tokens) when it is admitted, so a
-running request never runs out of pages.
+chunk of their prompt, all under a per-step token budget.
+
+Pages (`jaxinfer.kv_pages.PagePool`) are taken as the tokens need them. A new
+request first reuses the cached full pages of its longest cached prefix (prefix
+caching: those tokens are not prefilled again) and is admitted only when the
+rest of its prompt fits in the free pages. When a request needs a page and none
+is free, the newest running requests not yet in this step's batch are
+preempted: their pages are released (they stay cached) and they go back to the
+front of the queue, to be recomputed later with the tokens they already
+generated (sampling keys depend on the token count only, so the output is the
+same). The oldest request is never preempted for a newer one, so none starves.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import itertools
 from collections import deque
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.kv_pages import PagePool, page_hash
 from jaxinfer.runner import ModelRunner, SeqChunk
 from jaxinfer.sampling import SamplingParams
 
@@ -27,6 +36,7 @@ class Request:
     all_ids: list[int] = dataclasses.field(init=False)  # prompt, then outputs
     num_cached: int = 0  # tokens whose k/v are in the pages
     pages: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages
     finish_reason: str | None = None  # "stop" | "length" | "abort"
 
     def __post_init__(self):
@@ -45,21 +55,6 @@ class Request:
         return self.finish_reason is not None
 
 
-class PageAllocator:
-    """A free list of KV pages."""
-
-    def __init__(self, num_pages: int):
-        self.free = deque(range(num_pages))
-
-    def allocate(self, n: int) -> list[int] | None:
-        if n > len(self.free):
-            return None
-        return [self.free.popleft() for _ in range(n)]
-
-    def release(self, pages: list[int]):
-        self.free.extend(pages)
-
-
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids, max_model_len: int,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 512):
@@ -71,11 +66,15 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.allocator = PageAllocator(runner.num_pages)
+        self.allocator = PagePool(runner.num_pages, runner.page_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.num_steps = 0  # batches run (benchmarks divide time by it)
+        self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache at admission, and found there.
+        self.prefix_query_tokens = self.prefix_hit_tokens = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prefill + decode)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         if not prompt_ids:
@@ -86,6 +85,10 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise JaxinferError(f"prompt has {len(prompt_ids)} tokens; the model's context "
                                 f"(max_model_len) is {self.max_model_len}")
+        if (need := self._pages_needed(len(prompt_ids), params)) > self.runner.num_pages:
+            raise JaxinferError(f"the KV cache is too small for this request ({need} pages of "
+                                f"{self.runner.page_size} tokens needed, "
+                                f"{self.runner.num_pages} in all)")
         rid = next(self._ids)
         seed = params.seed if params.seed is not None else rid
         req = Request(rid, list(prompt_ids), params, seed=seed % 2**31)  # int32 on device
@@ -95,41 +98,75 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _pages_needed(self, req: Request) -> int:
-        total = min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len)
+    def _pages_needed(self, prompt_len: int, params: SamplingParams) -> int:
+        """Pages for the longest the request can grow (prompt + max_tokens, capped)."""
+        total = min(prompt_len + params.max_tokens, self.max_model_len)
         return -(-total // self.runner.page_size)
 
     def _admit(self):
+        """Moves waiting requests to running while their uncached prompt fits the free pages."""
+        pool, ps = self.allocator, self.runner.page_size
         while self.waiting and len(self.running) < self.max_num_seqs:
-            pages = self.allocator.allocate(self._pages_needed(self.waiting[0]))
-            if pages is None:
-                if not self.running:
-                    raise JaxinferError("the KV cache is too small for one request "
-                                        f"({self._pages_needed(self.waiting[0])} pages needed, "
-                                        f"{self.runner.num_pages} in all)")
+            req = self.waiting[0]
+            # Only full pages before the last token: its logits must be computed.
+            pages, hashes = pool.lookup(req.all_ids[:-1])
+            need = -(-len(req.all_ids) // ps) - len(pages)
+            if need > pool.num_free - sum(pool.ref[p] == 0 for p in pages):
                 return
-            req = self.waiting.popleft()
-            req.pages = pages
+            self.waiting.popleft()
+            pool.take(pages)
+            req.pages, req.page_hashes = pages, hashes
+            req.num_cached = len(pages) * ps
+            self.prefix_query_tokens += len(req.all_ids)
+            self.prefix_hit_tokens += req.num_cached
             self.running.append(req)
 
+    def _preempt(self, req: Request):
+        self.running.remove(req)
+        self.allocator.release(req.pages)
+        req.pages, req.page_hashes, req.num_cached = [], [], 0
+        # Newest first, so the queue's front keeps arrival order.
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _reserve(self, req: Request, num_tokens: int, scheduled: set) -> bool:
+        """Gives req pages for num_tokens tokens, preempting newer unscheduled requests if
+        needed; False if it must wait (nothing newer to preempt)."""
+        need = -(-num_tokens // self.runner.page_size) - len(req.pages)
+        while need > self.allocator.num_free:
+            newer = [r for r in self.running if r.id > req.id and r not in scheduled]
+            if not newer:
+                return False
+            self._preempt(max(newer, key=lambda r: r.id))
+        if need > 0:
+            req.pages = req.pages + self.allocator.allocate(need)
+        return True
+
     def schedule(self) -> list[tuple[Request, SeqChunk]]:
-        """Decodes first (one token each), then prefill chunks, within the token budget."""
+        """Decodes first (oldest first, one token each), then prefill chunks, in the budget."""
         self._admit()
         budget = self.max_num_batched_tokens
-        batch = []
+        batch, scheduled = [], set()
         decoding = [r for r in self.running if r.num_cached == len(r.all_ids) - 1]
         prefilling = [r for r in self.running if r.num_cached < len(r.all_ids) - 1]
-        for req in decoding + prefilling:
+        for req in sorted(decoding, key=lambda r: r.id) + sorted(prefilling, key=lambda r: r.id):
+            if req not in self.running:
+                continue  # preempted for an older request in this loop
             n = min(len(req.all_ids) - req.num_cached, budget)
             if n <= 0:
                 break
+            if not self._reserve(req, req.num_cached + n, scheduled):
+                continue
             budget -= n
+            scheduled.add(req)
             p = req.params
             batch.append((req, SeqChunk(
                 new_tokens=req.all_ids[req.num_cached:req.num_cached + n],
                 num_cached=req.num_cached, pages=req.pages, temperature=p.temperature,
                 top_k=max(p.top_k, 0), top_p=p.top_p, seed=req.seed,
                 step=req.num_output)))
+        if not batch and self.running:  # cannot happen: the oldest request always fits
+            raise JaxinferError("scheduler stalled: no running request could get KV pages")
         return batch
 
     def step(self) -> list[tuple[Request, list[int]]]:
@@ -142,6 +179,8 @@ class Engine:
         updates = []
         for (req, chunk), token in zip(batch, sampled, strict=True):
             req.num_cached += len(chunk.new_tokens)
+            self.num_computed_tokens += len(chunk.new_tokens)
+            self._register_full_pages(req)
             if req.num_cached < len(req.all_ids):
                 continue  # a prefill chunk that has not reached the prompt's end
             req.all_ids.append(int(token))
@@ -152,6 +191,15 @@ class Engine:
             self.allocator.release(req.pages)
             req.pages = []
         return updates
+
+    def _register_full_pages(self, req: Request):
+        """Caches the pages this step filled, under the hash of the prefix they end."""
+        ps = self.runner.page_size
+        while len(req.page_hashes) < req.num_cached // ps:
+            i = len(req.page_hashes)
+            h = page_hash(req.page_hashes[-1] if i else b"", req.all_ids[i * ps:(i + 1) * ps])
+            self.allocator.register(req.pages[i], h)
+            req.page_hashes.append(h)
 
     def _check_stop(self, req: Request):
         token, p = req.all_ids[-1], req.params

@@ -74,15 +74,20 @@ class LLM:
                                 "token ids")
         return self.tokenizer.encode(prompt)
 
-    def generate(self, prompts, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, or a list of token-id lists."""
-        params = params or SamplingParams()
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists; params: one
+        SamplingParams for all, or one per prompt (as in vLLM)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise JaxinferError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         requests = []
         try:
-            for p in prompts:
-                requests.append(self.engine.add_request(self._prompt_ids(p), params))
+            for p, sp in zip(prompts, params, strict=True):
+                requests.append(self.engine.add_request(self._prompt_ids(p), sp))
             while self.engine.has_unfinished():
                 self.engine.step()
         except BaseException:
