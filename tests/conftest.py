@@ -89,3 +89,18 @@ def smollm2_converted(smollm2_gguf):
     from jaxinfer.default_model import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def qwen3_converted(hf_models, tmp_path_factory):
+    """The tiny qwen3 checkpoint converted (float32) with `jaxinfer convert`."""
+    from click.testing import CliRunner
+
+    from jaxinfer.cli.main import cli
+
+    out = tmp_path_factory.mktemp("converted") / "qwen3"
+    result = CliRunner().invoke(cli, ["convert", str(hf_models["qwen3"]), str(out),
+                                      "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert (out / "weights").is_dir() and (out / "tokenizer.json").exists()
+    return out

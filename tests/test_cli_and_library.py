@@ -18,13 +18,8 @@ from .conftest import VOCAB
 
 
 @pytest.fixture(scope="module")
-def converted(hf_models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli") / "qwen3"
-    result = CliRunner().invoke(cli, ["convert", str(hf_models["qwen3"]), str(out),
-                                      "--dtype", "float32"])
-    assert result.exit_code == 0, result.output
-    assert (out / "weights").is_dir() and (out / "tokenizer.json").exists()
-    return out
+def converted(qwen3_converted):
+    return qwen3_converted
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.cli.main import cli
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_pages import PagePool, page_hash
 
@@ -50,12 +48,8 @@ def test_page_pool_refcounts_prefix_and_lru():
 
 
 @pytest.fixture(scope="module")
-def converted(hf_models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine") / "qwen3"
-    result = CliRunner().invoke(cli, ["convert", str(hf_models["qwen3"]), str(out),
-                                      "--dtype", "float32"])
-    assert result.exit_code == 0, result.output
-    return out
+def converted(qwen3_converted):
+    return qwen3_converted
 
 
 def _pool_bytes(converted, pages: int) -> int:
