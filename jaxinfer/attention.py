@@ -39,6 +39,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -179,25 +181,6 @@ def ragged_paged_attention_reference(
     if fp8 and v_scale is not None:
         out = out * v_scale
     return out.reshape(T, Hq, D).astype(q.dtype), k_pages, v_pages
-
-
-IMPLEMENTATIONS = ("reference", "pallas_tpu", "mosaic_gpu")
-
-
-def default_implementation(platform: str | None = None) -> str:
-    """The backend `ragged_paged_attention` uses on a platform (default: jax's default backend).
-
-    The Mosaic GPU kernel is built on Hopper's wgmma (sm_90); other GPUs (older ones,
-    and Blackwell, whose tensor cores use tcgen05) and the CPU use the reference.
-    """
-    platform = platform or jax.default_backend()
-    if platform == "tpu":
-        return "pallas_tpu"
-    if platform in ("gpu", "cuda"):
-        cc = str(getattr(jax.devices("gpu")[0], "compute_capability", "0"))
-        if cc.split(".")[0] == "9":
-            return "mosaic_gpu"
-    return "reference"
 
 
 def ragged_paged_attention(

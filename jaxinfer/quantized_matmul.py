@@ -16,9 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
 from jaxinfer.quant import FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize
-
-IMPLEMENTATIONS = ("reference", "pallas_tpu", "mosaic_gpu")
 
 
 def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -29,7 +28,7 @@ def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return values, scales
 
 
-def _dot_t(x, w, dtype=jnp.float32):
+def dot_nt(x, w, dtype=jnp.float32):
     """x [M, K] . w [N, K]^T -> [M, N] in dtype."""
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
 
@@ -38,22 +37,12 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x [M, K] -> [M, N]: dequantise + dot (XLA fuses the per-channel case into the dot)."""
     if w.activations == "fp8":
         xq, x_scales = quantize_activations_fp8(x)
-        y = _dot_t(xq, w.values) * x_scales * w.scales[0]
+        y = dot_nt(xq, w.values) * x_scales * w.scales[0]
     elif w.group_size == w.shape[1] and w.offsets is None:
-        y = _dot_t(x, w.values.astype(x.dtype)) * w.scales[0]
+        y = dot_nt(x, w.values.astype(x.dtype)) * w.scales[0]
     else:
-        y = _dot_t(x, dequantize(w, x.dtype))
+        y = dot_nt(x, dequantize(w, x.dtype))
     return y.astype(x.dtype)
-
-
-def default_implementation(platform: str | None = None) -> str:
-    device = jax.devices()[0]
-    platform = platform or device.platform
-    if platform == "tpu":
-        return "pallas_tpu"
-    if platform == "gpu" and getattr(device, "compute_capability", "").startswith("9."):
-        return "mosaic_gpu"  # wgmma: Hopper only
-    return "reference"
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *,

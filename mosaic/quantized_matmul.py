@@ -48,8 +48,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxinfer.backend import mosaic_interpret_params
 from jaxinfer.quant import QuantizedWeight, dequantize
-from jaxinfer.quantized_matmul import quantized_matmul_reference
+from jaxinfer.quantized_matmul import dot_nt, quantized_matmul_reference
 
 ROWS = 64  # weight rows per consumer warpgroup (the wgmma M tile)
 NUM_SMS = 132  # H100 SXM; only used to pick the number of K splits
@@ -225,13 +226,11 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
         # The barrier keeps XLA from fusing the dequantisation into its GEMM (which it then
         # redoes per output tile); the pass reads the quantized bytes and writes 2NK once.
         w_bf16 = lax.optimization_barrier(dequantize(w, x.dtype))
-        y = lax.dot_general(x, w_bf16, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        return y.astype(x.dtype)
+        return dot_nt(x, w_bf16).astype(x.dtype)
     piece = piece_size(w)
     grouped = w.group_size < k
     bits = 4 if w.kind == "int4" else 8
-    interpret = _interpret_params()
+    interpret = mosaic_interpret_params()
     cfg = config or choose_config(m, n, k, piece, bits, x.dtype.itemsize, grouped,
                                   interpret is not None)
     pps, wgs, tm, stages = cfg.pieces_per_step, cfg.compute_wgs, cfg.tile_m, cfg.num_stages
@@ -297,11 +296,3 @@ def unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
     if n % ROWS or k % piece:
         return f"N={n} must be a multiple of {ROWS} and K={k} of {piece}"
     return None
-
-
-def _interpret_params():
-    """Mosaic GPU interpret mode when there is no GPU (CPU tests); None compiles."""
-    if jax.default_backend() == "gpu":
-        return None
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.attention import FP8_KV_DTYPE, AttentionMetadata, write_kv_pages
+from jaxinfer.backend import mosaic_interpret_params
 
 ROWS = 64  # query rows per consumer warpgroup (the wgmma M tile)
 MASKED = -1e30  # masked score (base-2 units): exp2(MASKED - m) == 0 for any real m
@@ -444,7 +445,7 @@ def attend_pages_mgpu(
         sinks_rows = jnp.tile(sinks.astype(jnp.float32).reshape(Hkv, 1, G),
                               (1, -(-ROWS // G), 1)).reshape(Hkv, -1)[:, :ROWS]
 
-    interpret = _interpret_params()
+    interpret = mosaic_interpret_params()
 
     def swizzled(dtype):
         # Rows of D elements, swizzled by the widest pattern a row fills (<= 128 bytes).
@@ -518,11 +519,3 @@ def unsupported_reason(q, k_pages) -> str | None:
         return (f"head_dim {D} (multiple of 64, <= 256), page_size {page_size} (multiple "
                 f"of 8), {Hq // Hkv} query heads per KV head (<= {ROWS}) required")
     return None
-
-
-def _interpret_params():
-    """Mosaic GPU interpret mode when there is no GPU (CPU tests); None compiles."""
-    if jax.default_backend() == "gpu":
-        return None
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()

@@ -60,8 +60,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxinfer.backend import tpu_interpret_params
 from jaxinfer.quant import FP8_DTYPE, QuantizedWeight
-from jaxinfer.quantized_matmul import quantize_activations_fp8
+from jaxinfer.quantized_matmul import dot_nt, quantize_activations_fp8
 
 ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
 LANES = 128
@@ -149,12 +150,6 @@ def unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
     return _reason(x, w, None, _block_n(n, on_tpu), _block_k(k, w.group_size, on_tpu))
 
 
-def _dot_t(a, b):
-    """a [bm, c] . b [bn, c]^T -> [bm, bn] float32 (contracts both operands' minor dim)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-
-
 def _kernel(*refs, group: int, per_channel: bool, has_offsets: bool, w8a8: bool):
     """One (i, j, k) step; see the module docstring."""
     x_ref, w_ref, s_ref, *refs = refs  # [bm, bk], [bn, bk], [bk / g or 1, bn]
@@ -177,7 +172,7 @@ def _kernel(*refs, group: int, per_channel: bool, has_offsets: bool, w8a8: bool)
     partial = None
     for t in range(x.shape[1] // width):
         x_t = x[:, t * width:(t + 1) * width]
-        d = _dot_t(x_t, w[:, t * width:(t + 1) * width])
+        d = dot_nt(x_t, w[:, t * width:(t + 1) * width])
         if scale_per_step:
             d = d * s_ref[t:t + 1, :]
         if has_offsets:
@@ -215,7 +210,7 @@ def quantized_matmul_tpu(x: jax.Array, w: QuantizedWeight, *, block_m: int | Non
     if reason is not None:
         raise ValueError(f"quantized_matmul_tpu: {reason}")
     if interpret is None:
-        interpret = False if on_tpu else pltpu.InterpretParams()
+        interpret = tpu_interpret_params()
     m = x.shape[0]
     w8a8 = w.activations == "fp8"
     per_channel = g == k

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer.attention import FP8_KV_DTYPE, AttentionMetadata, token_positions, write_kv_pages
+from jaxinfer.backend import tpu_interpret_params
 
 
 def _kernel(
@@ -266,7 +267,7 @@ def ragged_paged_attention_tpu(
         out_shape=jax.ShapeDtypeStruct((W, Hkv, rows, D), q.dtype),
         # Every tile fetches its own first block, so tiles are independent.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=False if on_tpu else pltpu.InterpretParams(),
+        interpret=tpu_interpret_params(),
         name="ragged_paged_attention",
     )(md.kv_lens, md.page_indices.reshape(-1), tile_seq, tile_pos, tile_len,
       q_tiles, sink_rows, k_pages, v_pages)
