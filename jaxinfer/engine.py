@@ -22,7 +22,7 @@ import itertools
 from collections import deque
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.kv_pages import PagePool, page_hash
+from jaxinfer.kv_pages import PagePool, page_hashes
 from jaxinfer.runner import ModelRunner, SeqChunk
 from jaxinfer.sampling import SamplingParams
 
@@ -36,7 +36,8 @@ class Request:
     all_ids: list[int] = dataclasses.field(init=False)  # prompt, then outputs
     num_cached: int = 0  # tokens whose k/v are in the pages
     pages: list[int] = dataclasses.field(default_factory=list)
-    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages
+    # Hashes of the full pages of all_ids so far (content only, so they survive preemption).
+    hashes: list[bytes] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
 
     def __post_init__(self):
@@ -109,13 +110,14 @@ class Engine:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # Only full pages before the last token: its logits must be computed.
-            pages, hashes = pool.lookup(req.all_ids[:-1])
+            hashes = page_hashes(req.all_ids, ps, req.hashes)
+            pages = pool.lookup(hashes[:(len(req.all_ids) - 1) // ps])
             need = -(-len(req.all_ids) // ps) - len(pages)
             if need > pool.num_free - sum(pool.ref[p] == 0 for p in pages):
                 return
             self.waiting.popleft()
             pool.take(pages)
-            req.pages, req.page_hashes = pages, hashes
+            req.pages = pages
             req.num_cached = len(pages) * ps
             self.prefix_query_tokens += len(req.all_ids)
             self.prefix_hit_tokens += req.num_cached
@@ -124,7 +126,7 @@ class Engine:
     def _preempt(self, req: Request):
         self.running.remove(req)
         self.allocator.release(req.pages)
-        req.pages, req.page_hashes, req.num_cached = [], [], 0
+        req.pages, req.num_cached = [], 0
         # Newest first, so the queue's front keeps arrival order.
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -177,10 +179,14 @@ class Engine:
         sampled = self.runner.step([chunk for _, chunk in batch])
         self.num_steps += 1
         updates = []
+        ps = self.runner.page_size
         for (req, chunk), token in zip(batch, sampled, strict=True):
             req.num_cached += len(chunk.new_tokens)
             self.num_computed_tokens += len(chunk.new_tokens)
-            self._register_full_pages(req)
+            # Cache the pages this chunk filled, under the hash of the prefix they end.
+            hashes = page_hashes(req.all_ids, ps, req.hashes)
+            for i in range(chunk.num_cached // ps, req.num_cached // ps):
+                self.allocator.register(req.pages[i], hashes[i])
             if req.num_cached < len(req.all_ids):
                 continue  # a prefill chunk that has not reached the prompt's end
             req.all_ids.append(int(token))
@@ -191,15 +197,6 @@ class Engine:
             self.allocator.release(req.pages)
             req.pages = []
         return updates
-
-    def _register_full_pages(self, req: Request):
-        """Caches the pages this step filled, under the hash of the prefix they end."""
-        ps = self.runner.page_size
-        while len(req.page_hashes) < req.num_cached // ps:
-            i = len(req.page_hashes)
-            h = page_hash(req.page_hashes[-1] if i else b"", req.all_ids[i * ps:(i + 1) * ps])
-            self.allocator.register(req.pages[i], h)
-            req.page_hashes.append(h)
 
     def _check_stop(self, req: Request):
         token, p = req.all_ids[-1], req.params

@@ -7,10 +7,11 @@ Every page of the KV cache is in one of two states:
 
 A *full* page (page_size tokens whose k/v are written) is registered under a
 hash of its tokens chained with the hash of the page before it, so a hash
-stands for the whole prefix up to the end of that page. A new request walks
-its prompt a full page at a time and takes every page whose hash is known
-(`lookup`, then `take`): those tokens are not prefilled again. `allocate` hands out
-the least recently freed pages first, forgetting any prefix they cached.
+stands for the whole prefix up to the end of that page. A new request looks up
+its prompt's full-page hashes (`page_hashes`, `lookup`) and takes every cached
+page of the leading run (`take`): those tokens are not prefilled again.
+`allocate` hands out the least recently freed pages first, forgetting any
+prefix they cached.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ def page_hash(parent: bytes, tokens) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
 
 
+def page_hashes(token_ids: list[int], page_size: int, known: list[bytes]) -> list[bytes]:
+    """The hashes of every full page of token_ids, extending `known` (a prefix of them,
+    kept by the caller so that each page is hashed once) in place."""
+    for i in range(len(known), len(token_ids) // page_size):
+        known.append(page_hash(known[-1] if i else b"",
+                               token_ids[i * page_size:(i + 1) * page_size]))
+    return known
+
+
 class PagePool:
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages, self.page_size = num_pages, page_size
@@ -38,19 +48,16 @@ class PagePool:
     def num_free(self) -> int:
         return len(self.free)
 
-    def lookup(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
-        """The cached pages for the longest run of full pages of token_ids, and their hashes
-        (nothing is taken: see `take`)."""
-        ps = self.page_size
-        pages, hashes, h = [], [], b""
-        for i in range(len(token_ids) // ps):
-            h = page_hash(h, token_ids[i * ps:(i + 1) * ps])
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached pages for the longest leading run of these full-page hashes (see
+        `page_hashes`); nothing is taken (see `take`)."""
+        pages = []
+        for h in hashes:
             page = self.page_of.get(h)
             if page is None:
                 break
             pages.append(page)
-            hashes.append(h)
-        return pages, hashes
+        return pages
 
     def take(self, pages: list[int]):
         """One more reference to each of these (cached) pages; free ones leave the free list."""

@@ -11,7 +11,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_pages import PagePool, page_hash
+from jaxinfer.kv_pages import PagePool, page_hash, page_hashes
 
 from .conftest import VOCAB
 
@@ -28,21 +28,22 @@ def test_page_pool_refcounts_prefix_and_lru():
     pool.register(a[0], h0)
     pool.register(a[1], h1)
     # A sharer finds both full pages (not the partial third) and holds them too.
-    pages, hashes = pool.lookup(tokens)
+    hashes = page_hashes(tokens, 2, [])
+    pages = pool.lookup(hashes)
     assert pages == a[:2] and hashes == [h0, h1]
     pool.take(pages)
     assert pool.ref[:3] == [2, 2, 1]
     # A different second page only matches the first.
-    assert pool.lookup([5, 6, 0, 0])[0] == [a[0]]
+    assert pool.lookup(page_hashes([5, 6, 0, 0], 2, [])) == [a[0]]
     pool.release(a)
     assert pool.ref[:3] == [1, 1, 0] and pool.num_free == 2
     pool.release(pages)
     assert pool.num_free == 4  # all free, pages 0 and 1 still cached
-    assert pool.lookup(tokens)[0] == a[:2]
+    assert pool.lookup(hashes) == a[:2]
     # Eviction: least recently freed first. Page 3 (never used), then 2, then the tail of
     # the cached prefix (1, released before its head 0).
     assert pool.allocate(3) == [3, 2, 1]
-    assert pool.lookup(tokens)[0] == [a[0]]  # page 1's entry is gone, page 0's is not
+    assert pool.lookup(hashes) == [a[0]]  # page 1's entry is gone, page 0's is not
     with pytest.raises(AssertionError, match="released more often"):
         pool.release([0])
 
