@@ -60,8 +60,14 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *,
     x2 = x.reshape(-1, k)
     impl = implementation or default_implementation()
     if impl == "mosaic_gpu":
-        from jaxinfer.mosaic.quantized_matmul import quantized_matmul_mgpu, unsupported_reason
-        if implementation is None and unsupported_reason(x2, w) is not None:
+        from jaxinfer.mosaic.quantized_matmul import (
+            MAX_KERNEL_M,
+            quantized_matmul_mgpu,
+            unsupported_reason,
+        )
+        # Above MAX_KERNEL_M tokens XLA is faster (see that constant).
+        if implementation is None and (x2.shape[0] > MAX_KERNEL_M
+                                       or unsupported_reason(x2, w) is not None):
             impl = "reference"
         else:
             y = quantized_matmul_mgpu(x2, w)

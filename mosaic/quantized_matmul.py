@@ -25,8 +25,8 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
   (split, consumer) writes float32 partial sums [64, tile_m]; XLA adds them up,
   transposes back to [M, N] and, for asymmetric formats, adds the offset term
   (x summed over each group) @ offsets, a [M, K/g] x [K/g, N] product.
-- Above MAX_KERNEL_M tokens `quantized_matmul_mgpu` hands the product to XLA
-  (see the constant's comment).
+- Above MAX_KERNEL_M tokens `jaxinfer.quantized_matmul` runs XLA instead (see
+  the constant's comment).
 
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode
 (tests); there the upcast weight piece goes through shared memory, because
@@ -49,8 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.backend import mosaic_interpret_params
-from jaxinfer.quant import QuantizedWeight, dequantize
-from jaxinfer.quantized_matmul import dot_nt, quantized_matmul_reference
+from jaxinfer.quant import QuantizedWeight
 
 ROWS = 64  # weight rows per consumer warpgroup (the wgmma M tile)
 NUM_SMS = 132  # H100 SXM; only used to pick the number of K splits
@@ -68,9 +67,9 @@ class Config:
 
 # Above MAX_KERNEL_M tokens the kernel's tensor-core work (one 64-row wgmma per 16 K
 # columns and 64 weight rows) no longer hides under the weight stream, and XLA does
-# better (measured, bench/RESULTS.md): per-channel weights by its dot with the
-# dequantisation fused in, group-wise ones (which XLA would dequantise on every call
-# anyway) by one dequantising pass into a bf16 copy and XLA's bf16 GEMM.
+# better (measured, bench/RESULTS.md): the dispatcher then runs the reference, whose
+# dot XLA fuses with the per-channel dequantisation (group-wise weights it dequantises
+# into a bf16 copy first). The kernel itself still takes any M (tests).
 MAX_KERNEL_M = 32
 
 
@@ -220,13 +219,6 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
         raise ValueError(f"mosaic quantized matmul: {reason}")
     m, k = x.shape
     n = w.shape[0]
-    if config is None and m > MAX_KERNEL_M:
-        if w.group_size == k and w.offsets is None:
-            return quantized_matmul_reference(x, w)
-        # The barrier keeps XLA from fusing the dequantisation into its GEMM (which it then
-        # redoes per output tile); the pass reads the quantized bytes and writes 2NK once.
-        w_bf16 = lax.optimization_barrier(dequantize(w, x.dtype))
-        return dot_nt(x, w_bf16).astype(x.dtype)
     piece = piece_size(w)
     grouped = w.group_size < k
     bits = 4 if w.kind == "int4" else 8
