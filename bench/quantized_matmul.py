@@ -21,8 +21,8 @@ table per weight shape, one row per (M, format):
               and y are left out, and it has no scales. The first TuningConfig of a short list
               that compiles and agrees with XLA is timed.
   ours        `quantized_matmul(x, w)` as the engine dispatches it on Hopper: the Mosaic
-              kernel for int8 / int4 (per channel or group 128) up to 32 tokens, above that
-              the XLA reference (fused dequant); fp8 W8A8 and
+              kernel for int8 / int4 (per channel or group 128) up to 16 tokens (32 when
+              measured), above that the XLA reference (fused dequant); fp8 W8A8 and
               weight-only run XLA's fp8 dot / fused dequant. Before timing, its
               output is checked against the XLA reference on the same inputs
               (max |ours - ref| <= 2e-2 max |ref| weight-only, 1e-1 W8A8): "FAIL" if not.

@@ -143,7 +143,7 @@ MOSAIC_CONFIGS = {
     "one_consumer": dict(compute_wgs=1, pieces_per_step=1, num_stages=2),
     "split_k_2": dict(k_splits=2, pieces_per_step=2, num_stages=2),
     "deep_ring": dict(pieces_per_step=2, num_stages=4),
-    "tile_m_32": dict(tile_m=32, pieces_per_step=2, num_stages=2),
+    "tile_m_8": dict(tile_m=8, pieces_per_step=2, num_stages=2),
 }
 
 
