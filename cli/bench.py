@@ -33,6 +33,8 @@ def _model_options(fn):
                      show_default=True),
         click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
                      show_default=True),
+        click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Decode steps per host round trip (when every request decodes)."),
         click.option("--json", "json_path", default=None, help="Write the result as JSON."),
         click.option("--record", default=None, help="Append a row to this markdown file."),
         click.option("--profile", default=None, help="Write a jax.profiler trace to this dir."),
@@ -42,7 +44,8 @@ def _model_options(fn):
     return fn
 
 
-def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens):
+def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
+          decode_steps):
     import jax.numpy as jnp
 
     from jaxinfer import LLM
@@ -53,7 +56,8 @@ def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_
         raise JaxinferError("give --model or --preset, not both")
     model = random_model(preset_config(preset), getattr(jnp, dtype)) if preset else model_path
     return LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
-               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+               decode_steps=decode_steps)
 
 
 def _report(kind, ceilings, rows, headline, result, json_path, record):
@@ -64,7 +68,7 @@ def _report(kind, ceilings, rows, headline, result, json_path, record):
 
     device = jax.devices()[0].device_kind
     command = "jaxinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    table = "\n\n".join(x for x in (ceilings.line(), headline, format_rows(rows)) if x)
+    table = "\n\n".join(x for x in (ceilings.line(), headline, rows and format_rows(rows)) if x)
     full = {"kind": kind, "date": datetime.date.today().isoformat(), "device": device,
             "jax": jax.__version__, "command": command, "ceilings": vars(ceilings), **result,
             "rows": rows}
@@ -110,11 +114,12 @@ def kernels(backend, small, json_path, record, profile, plot):
 @click.option("--input-len", type=int, default=128, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
 def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-            json_path, record, profile, batch, input_len, output_len):
+            decode_steps, json_path, record, profile, batch, input_len, output_len):
     """Time to first token and per-token decode time."""
     from jaxinfer.bench import bench_latency, measure_ceilings
 
-    llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens)
+    llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
+                decode_steps)
     ceilings = measure_ceilings()
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings)
@@ -130,11 +135,12 @@ def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batche
 @click.option("--input-len", type=int, default=256, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
 def throughput(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-               json_path, record, profile, num_requests, input_len, output_len):
+               decode_steps, json_path, record, profile, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
     from jaxinfer.bench import bench_throughput, measure_ceilings
 
-    llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens)
+    llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
+                decode_steps)
     ceilings = measure_ceilings()
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
@@ -167,3 +173,144 @@ def _plot(rows, ceilings, path):
     ax.set_ylabel("FLOP/s")
     ax.legend(fontsize=6)
     fig.savefig(path, dpi=120)
+
+
+@bench.command()
+@click.option("--url", default=None,
+              help="A running server (e.g. http://127.0.0.1:8000); default: start one on "
+                   "loopback with the model options below and stop it after.")
+@click.option("--model", "model_path", default=None, help="Checkpoint for the started server.")
+@click.option("--preset", default=None, help="Random-weight shape for the started server.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+              show_default=True)
+@click.option("--kv-cache-gb", type=float, default=4.0, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
+              show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None)
+@click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--api-key", default=None)
+@click.option("--server-warmup/--no-server-warmup", default=True, show_default=True,
+              help="Let the started server compile its buckets before it is ready.")
+@click.option("--num-requests", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--input-len", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0,
+              show_default=True, help="Prompt lengths uniform in [len * (1 - r), len].")
+@click.option("--warmup-passes", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Unmeasured passes first, with other prompts of the same lengths, so that "
+                   "the measured one compiles nothing.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", default=None)
+@click.option("--record", default=None)
+def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
+          max_model_len, decode_steps, api_key, server_warmup, num_requests, concurrency, input_len,
+          output_len, range_ratio, warmup_passes, seed, json_path, record):
+    """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles."""
+    from jaxinfer.bench import Ceilings
+    from jaxinfer.bench_serve import decode_roofline, format_summary, random_prompts, run_load
+    from jaxinfer.errors import JaxinferError
+
+    server, ceilings = None, None
+    if url is None:
+        if bool(preset) == bool(model_path):
+            raise JaxinferError("give --url, or one of --model / --preset to start a server")
+        ceilings = _ceilings_in_subprocess()  # before the server takes the device's memory
+        args = ["--dtype", dtype, "--kv-cache-gb", str(kv_cache_gb), "--max-num-seqs",
+                str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
+                "--decode-steps", str(decode_steps)]
+        args += ["--preset", preset] if preset else ["--model", model_path]
+        if max_model_len:
+            args += ["--max-model-len", str(max_model_len)]
+        if api_key:
+            args += ["--api-key", api_key]
+        if not server_warmup:
+            args.append("--no-warmup")
+        server, url = _start_server(args)
+    try:
+        info = _server_info(url, api_key)
+        for i in range(warmup_passes):
+            click.echo(f"warm-up pass {i + 1} of {warmup_passes}", err=True)
+            run_load(url, info["model"], random_prompts(num_requests, input_len, range_ratio,
+                                                        info["vocab_size"], seed + 1 + i),
+                     output_len, concurrency, api_key)
+        prompts = random_prompts(num_requests, input_len, range_ratio, info["vocab_size"], seed)
+        summary = run_load(url, info["model"], prompts, output_len, concurrency, api_key)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    rows = []
+    if ceilings is not None:
+        from jaxinfer.bench import roofline
+
+        summary.update(decode_roofline(summary, info["weight_bytes"],
+                                       info["kv_bytes_per_token"], ceilings.copy_bytes_per_s))
+        # The mean decode step, as if every step gave each of the concurrent requests a token.
+        c = concurrency
+        ctx = summary["mean_input_len"] + output_len / 2
+        rows.append(roofline(f"decode step, {c} concurrent (ctx ~{ctx:.0f})",
+                             c / summary["output_tokens_per_s"],
+                             info["weight_bytes"] + c * ctx * info["kv_bytes_per_token"],
+                             2 * info["weight_count"] * c, ceilings))
+    _report("serve", ceilings or Ceilings(float("nan"), float("nan")), rows,
+            format_summary(summary), summary, json_path, record)
+
+
+def _ceilings_in_subprocess():
+    import subprocess
+
+    from jaxinfer.bench import Ceilings
+
+    code = ("import json; from jaxinfer.bench import measure_ceilings; "
+            "print(json.dumps(vars(measure_ceilings())))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    return Ceilings(**json.loads(out.strip().splitlines()[-1]))
+
+
+def _start_server(args: list[str]):
+    """Starts `jaxinfer serve` on a free loopback port; returns (process, url) once /health
+    answers. The server's output goes to stderr."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    from jaxinfer.errors import JaxinferError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli.main", "serve", "--port",
+                             str(port), *args], stdout=sys.__stderr__)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise JaxinferError(f"the server exited with status {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        time.sleep(0.5)
+    proc.terminate()
+    raise JaxinferError("the server did not become ready in 30 minutes")
+
+
+def _server_info(url: str, api_key: str | None) -> dict:
+    """The served model's name (/v1/models) and its sizes (the jaxinfer_model_* gauges of
+    /metrics)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    models = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()
+    info = {"model": models["data"][0]["id"]}
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("jaxinfer_model_"):
+            info[family.name[len("jaxinfer_model_"):]] = family.samples[0].value
+    info["vocab_size"] = int(info["vocab_size"])
+    return info

@@ -12,6 +12,7 @@ import sys
 import click
 
 from jaxinfer.cli.bench import bench as _bench_group
+from jaxinfer.cli.serve import serve as _serve_command
 from jaxinfer.errors import JaxinferError
 
 
@@ -98,6 +99,7 @@ def convert(src, out, dtype, quantize):
 
 
 cli.add_command(_bench_group)
+cli.add_command(_serve_command)
 
 
 if __name__ == "__main__":

@@ -165,23 +165,22 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
     def run():
-        """Returns (seconds until every request has its first token, later step times)."""
+        """Returns (seconds until every request has its first token, seconds per token after
+        that: the decode phase's time over its tokens per sequence, so a multi-step decode
+        counts every token it produced)."""
         for _ in range(batch):
             llm.engine.add_request(rng.integers(2, c.vocab_size, input_len).tolist(), params)
-        start, waiting_first, ttft, decode_steps = time.perf_counter(), batch, None, []
+        start, waiting_first, ttft = time.perf_counter(), batch, None
         while llm.engine.has_unfinished():
-            t = time.perf_counter()
-            updates = llm.engine.step()  # returns after the sampled ids reach the host
-            if ttft is not None:
-                decode_steps.append(time.perf_counter() - t)
-            waiting_first -= sum(r.num_output == 1 for r, _ in updates)
+            deltas = llm.engine.step()  # returns after the sampled ids reach the host
+            waiting_first -= sum(d.request.num_output == len(d.token_ids) for d in deltas)
             if ttft is None and waiting_first == 0:
                 ttft = time.perf_counter() - start
-        return ttft, decode_steps
+        decode = time.perf_counter() - start - ttft
+        return ttft, decode / max(output_len - 1, 1)
 
     run()  # compile every bucket this shape touches
-    ttft, steps = run()
-    itl = statistics.median(steps) if steps else float("nan")
+    ttft, itl = run()
     w_bytes = weight_bytes(llm.model)
     itemsize = llm.model.embed.embedding.dtype.itemsize
     kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize

@@ -13,18 +13,29 @@ preempted: their pages are released (they stay cached) and they go back to the
 front of the queue, to be recomputed later with the tokens they already
 generated (sampling keys depend on the token count only, so the output is the
 same). The oldest request is never preempted for a newer one, so none starves.
+
+With `decode_steps` N > 1, a step whose batch is all decodes (nothing waiting or
+prefilling) runs up to N decode steps on the device in one call, exiting early
+once every sequence has hit EOS or its token budget; the host then applies the
+stop strings and stop ids and drops what follows a stop.
+
+Output text is detokenised incrementally per request (`IncrementalDecoder`: a
+multi-byte character is never split); stop strings are matched on that text and
+held back while they could still be the start of one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import deque
 
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kv_pages import PagePool, page_hashes
 from jaxinfer.runner import ModelRunner, SeqChunk
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, TokenLogprob
+from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @dataclasses.dataclass(eq=False)  # identity, not field equality
@@ -39,6 +50,13 @@ class Request:
     # Hashes of the full pages of all_ids so far (content only, so they survive preemption).
     hashes: list[bytes] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    text: str = ""  # visible output text so far (stop strings cut off)
+    num_emitted_chars: int = 0  # of text, handed out in deltas
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    num_prefix_hit: int | None = None  # prompt tokens found in the prefix cache (first admission)
+    detokenizer: IncrementalDecoder | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
     def __post_init__(self):
         self.all_ids = list(self.prompt_ids)
@@ -56,13 +74,29 @@ class Request:
         return self.finish_reason is not None
 
 
+@dataclasses.dataclass
+class RequestDelta:
+    """What one step added to a request: tokens (several after a multi-step decode), the new
+    visible text, one TokenLogprob per token when asked for, and whether it finished."""
+
+    request: Request
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, eos_token_ids, max_model_len: int,
-                 max_num_seqs: int = 8, max_num_batched_tokens: int = 512):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise JaxinferError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
-                                f"{max_num_batched_tokens} must both be >= 1")
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
+                 tokenizer: Tokenizer | None = None, decode_steps: int = 1):
+        if min(max_num_seqs, max_num_batched_tokens, decode_steps) < 1:
+            raise JaxinferError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens="
+                                f"{max_num_batched_tokens} and decode_steps={decode_steps} "
+                                "must all be >= 1")
         self.runner = runner
+        self.tokenizer = tokenizer
+        self.decode_steps = decode_steps
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -76,8 +110,13 @@ class Engine:
         # Prompt tokens looked up in the prefix cache at admission, and found there.
         self.prefix_query_tokens = self.prefix_hit_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode)
+        self.num_generated_tokens = 0  # output tokens kept
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def validate(self, prompt_ids: list[int], params: SamplingParams):
+        """Raises JaxinferError (one line) for a request the engine cannot take. Reads only
+        the configuration, so any thread may call it."""
+        if params.stop and self.tokenizer is None:
+            raise JaxinferError("stop strings need a tokenizer; this model has none")
         if not prompt_ids:
             raise JaxinferError("prompt is empty")
         vocab = self.runner.config.vocab_size
@@ -90,9 +129,17 @@ class Engine:
             raise JaxinferError(f"the KV cache is too small for this request ({need} pages of "
                                 f"{self.runner.page_size} tokens needed, "
                                 f"{self.runner.num_pages} in all)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        self.validate(prompt_ids, params)
         rid = next(self._ids)
         seed = params.seed if params.seed is not None else rid
         req = Request(rid, list(prompt_ids), params, seed=seed % 2**31)  # int32 on device
+        if params.logprobs is not None:
+            req.logprobs = []
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDecoder(self.tokenizer, req.prompt_ids,
+                                                 params.skip_special_tokens)
         self.waiting.append(req)
         return req
 
@@ -121,6 +168,8 @@ class Engine:
             req.num_cached = len(pages) * ps
             self.prefix_query_tokens += len(req.all_ids)
             self.prefix_hit_tokens += req.num_cached
+            if req.num_prefix_hit is None:
+                req.num_prefix_hit = req.num_cached
             self.running.append(req)
 
     def _preempt(self, req: Request):
@@ -161,46 +210,124 @@ class Engine:
                 continue
             budget -= n
             scheduled.add(req)
-            p = req.params
-            batch.append((req, SeqChunk(
-                new_tokens=req.all_ids[req.num_cached:req.num_cached + n],
-                num_cached=req.num_cached, pages=req.pages, temperature=p.temperature,
-                top_k=max(p.top_k, 0), top_p=p.top_p, seed=req.seed,
-                step=req.num_output)))
+            batch.append((req, self._chunk(req, n)))
         if not batch and self.running:  # cannot happen: the oldest request always fits
             raise JaxinferError("scheduler stalled: no running request could get KV pages")
         return batch
 
-    def step(self) -> list[tuple[Request, list[int]]]:
-        """Runs one batch; returns (request, tokens it gained) for the requests that gained any."""
+    def _remaining(self, req: Request) -> int:
+        """Tokens req may still produce (max_tokens, and the context)."""
+        return min(req.params.max_tokens - req.num_output,
+                   self.max_model_len - len(req.all_ids))
+
+    def _chunk(self, req: Request, n: int) -> SeqChunk:
+        p = req.params
+        return SeqChunk(new_tokens=req.all_ids[req.num_cached:req.num_cached + n],
+                        num_cached=req.num_cached, pages=req.pages, params=p, seed=req.seed,
+                        step=req.num_output, history=req.all_ids if p.has_penalties else None,
+                        num_prompt=len(req.prompt_ids), remaining=self._remaining(req))
+
+    def _decode_steps(self, batch) -> int:
+        """N > 1 for a batch of every running request, all decoding, with nothing waiting,
+        when each can get the pages for its next min(N, remaining) tokens."""
+        n = self.decode_steps
+        if (n == 1 or self.waiting or len(batch) != len(self.running)
+                or any(len(c.new_tokens) != 1 for _, c in batch)):
+            return 1
+        everyone = {req for req, _ in batch}
+        for req, chunk in batch:
+            if not self._reserve(req, req.num_cached + min(n, chunk.remaining), everyone):
+                return 1
+            chunk.pages = req.pages
+        return n
+
+    def step(self) -> list[RequestDelta]:
+        """Runs one batch; returns a delta for each request that gained tokens."""
         batch = self.schedule()
         if not batch:
             return []
-        sampled = self.runner.step([chunk for _, chunk in batch])
+        num_steps = self._decode_steps(batch)
+        with_logprobs = any(req.params.logprobs is not None for req, _ in batch)
+        out = self.runner.step([chunk for _, chunk in batch], num_steps, with_logprobs)
         self.num_steps += 1
-        updates = []
-        ps = self.runner.page_size
-        for (req, chunk), token in zip(batch, sampled, strict=True):
-            req.num_cached += len(chunk.new_tokens)
-            self.num_computed_tokens += len(chunk.new_tokens)
-            # Cache the pages this chunk filled, under the hash of the prefix they end.
-            hashes = page_hashes(req.all_ids, ps, req.hashes)
-            for i in range(chunk.num_cached // ps, req.num_cached // ps):
-                self.allocator.register(req.pages[i], hashes[i])
-            if req.num_cached < len(req.all_ids):
-                continue  # a prefill chunk that has not reached the prompt's end
-            req.all_ids.append(int(token))
-            self._check_stop(req)
-            updates.append((req, [int(token)]))
+        deltas = []
+        for s, (req, chunk) in enumerate(batch):
+            first = len(chunk.new_tokens)
+            self.num_computed_tokens += first
+            if chunk.num_cached + first < len(req.all_ids):  # a prefill chunk, prompt not done
+                self._cache(req, chunk.num_cached + first)
+                continue
+            tokens, logprobs = [], [] if req.params.logprobs is not None else None
+            for j, token in enumerate(out.tokens[s].tolist()):
+                if token < 0:
+                    break
+                # Step j wrote the k/v of the token before it.
+                num_cached = chunk.num_cached + first + j
+                req.all_ids.append(token)
+                tokens.append(token)
+                if logprobs is not None:
+                    top = req.params.logprobs
+                    logprobs.append(TokenLogprob(token, float(out.logprobs[s, j]), list(zip(
+                        out.top_ids[s, j, :top].tolist(), out.top_logprobs[s, j, :top].tolist(),
+                        strict=True))))
+                self._check_stop(req)
+                self._push_text(req, token)
+                if req.finished:
+                    break
+            self.num_computed_tokens += len(tokens) - 1
+            self.num_generated_tokens += len(tokens)
+            self._cache(req, num_cached)
+            if logprobs is not None:
+                req.logprobs.extend(logprobs)
+            deltas.append(RequestDelta(req, tokens, self._emit(req), logprobs, req.finished))
         for req in [r for r in self.running if r.finished]:
             self.running.remove(req)
             self.allocator.release(req.pages)
             req.pages = []
-        return updates
+        return deltas
+
+    def _cache(self, req: Request, num_cached: int):
+        """Records that req's first num_cached tokens are in its pages, and registers the
+        pages that became full in the prefix cache, under the hash of the prefix they end."""
+        ps = self.runner.page_size
+        hashes = page_hashes(req.all_ids, ps, req.hashes)
+        for i in range(req.num_cached // ps, num_cached // ps):
+            self.allocator.register(req.pages[i], hashes[i])
+        req.num_cached = num_cached
+
+    def _push_text(self, req: Request, token: int):
+        """Detokenises a kept token (a stop token is not text) and applies the stop strings:
+        the text is cut where one starts, and the request finishes."""
+        if req.detokenizer is None:
+            return
+        start = len(req.text)
+        if req.finish_reason != "stop":  # EOS or a stop id ended it: no text
+            req.text += req.detokenizer.push([token])
+        if req.finished:
+            req.text += req.detokenizer.flush()
+        if req.params.stop:
+            window = max(0, start - max(map(len, req.params.stop)) + 1)
+            found = [(i, s) for s in req.params.stop if (i := req.text.find(s, window)) >= 0]
+            if found:
+                i, stop = min(found)
+                req.text = req.text[:i]
+                req.finish_reason, req.stop_reason = "stop", stop
+
+    def _emit(self, req: Request) -> str:
+        """The text not yet handed out, less a tail that could still start a stop string."""
+        hold = 0
+        if req.params.stop and not req.finished:
+            hold = max(map(len, req.params.stop)) - 1
+        end = max(req.num_emitted_chars, len(req.text) - hold)
+        delta = req.text[req.num_emitted_chars:end]
+        req.num_emitted_chars = end
+        return delta
 
     def _check_stop(self, req: Request):
         token, p = req.all_ids[-1], req.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if token in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not p.ignore_eos:
             req.finish_reason = "stop"
         elif req.num_output >= p.max_tokens or len(req.all_ids) >= self.max_model_len:
             req.finish_reason = "length"

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import jax
 
 from jaxinfer.checkpoint import is_converted, load_model, open_source
 from jaxinfer.engine import Engine, Request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.models import Decoder
-from jaxinfer.runner import ModelRunner, SeqChunk
-from jaxinfer.sampling import SamplingParams
-from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
+from jaxinfer.runner import ModelRunner, SeqChunk, bucket
+from jaxinfer.sampling import SamplingParams, TokenLogprob
+from jaxinfer.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -21,19 +25,35 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+def enable_compilation_cache():
+    """Turns on JAX's persistent compilation cache (default $JAXINFER_CACHE/xla, or
+    ~/.cache/jaxinfer/xla), so a restart skips the compiles; JAXINFER_COMPILATION_CACHE=0
+    turns it off, a path moves it. An already configured cache directory is kept."""
+    setting = os.environ.get("JAXINFER_COMPILATION_CACHE", "")
+    if setting == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    from jaxinfer.default_model import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", setting or str(cache_dir() / "xla"))
 
 
 class LLM:
     """Loads a model (converted dir, HF dir or .gguf; None = the embedded SmolLM2) and generates.
 
     kv_cache_bytes sizes the paged KV cache; max_model_len defaults to the
-    model's context, capped by what the cache holds.
+    model's context, capped by what the cache holds; decode_steps > 1 runs that many
+    decode steps per host round trip when every running request is decoding.
     """
 
     def __init__(self, model: str | Path | Decoder | None = None, *, dtype: str | None = None,
                  page_size: int = 16, kv_cache_bytes: int = 1 << 30,
                  max_model_len: int | None = None, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 512):
+                 max_num_batched_tokens: int = 512, decode_steps: int = 1):
+        enable_compilation_cache()
         if isinstance(model, Decoder):  # e.g. a random-weight preset (jaxinfer.presets)
             self.path, self.model, self.tokenizer = None, model, None
         else:
@@ -60,7 +80,35 @@ class LLM:
                                  num_pages * page_size)
         runner = ModelRunner(self.model, num_pages, page_size, self.max_model_len)
         self.engine = Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
-                             max_num_batched_tokens)
+                             max_num_batched_tokens, self.tokenizer, decode_steps)
+
+    def warmup(self, max_len: int | None = None, progress: bool = True) -> float:
+        """Compiles the step's buckets ahead of time: decode batches of every sequence bucket
+        at every page-table bucket up to max_len tokens of context (default: max_model_len,
+        capped at 2048), and prefill chunks of every token bucket. Returns the seconds it
+        took. Other shapes (mixed batches, longer contexts) compile on first use; the
+        persistent compilation cache keeps them across restarts. Warm-up steps write only
+        the runner's scratch page."""
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        r, e = self.runner, self.engine
+        max_len = min(max_len or min(self.max_model_len, 2048), self.max_model_len)
+        seq_buckets = sorted({bucket(n, 1) for n in range(1, e.max_num_seqs + 1)})
+        page_buckets = sorted({bucket(n, 4, r.max_pages_per_seq)
+                               for n in range(1, -(-max_len // r.page_size) + 1)})
+        plan = [([1] * s, p * r.page_size - e.decode_steps, e.decode_steps)
+                for s in seq_buckets for p in page_buckets]
+        token_buckets = sorted({bucket(n, 16) for n in range(1, e.max_num_batched_tokens + 1)})
+        plan += [([t], 0, 1) for t in token_buckets]
+        for lengths, context, steps in tqdm(plan, desc="warm-up: compiling", unit="shape",
+                                            disable=not progress):
+            context = max(context, 0)
+            pages = [r.scratch_page] * -(-(context + max(max(lengths), steps)) // r.page_size)
+            chunks = [SeqChunk(new_tokens=[0] * n, num_cached=context, pages=pages,
+                               remaining=steps) for n in lengths]
+            r.step(chunks, steps)
+        return time.perf_counter() - start
 
     @property
     def runner(self) -> ModelRunner:
@@ -103,21 +151,18 @@ class LLM:
         return self._stream(req)
 
     def _stream(self, req: Request) -> Iterator[str]:
-        decoder = IncrementalDecoder(self.tokenizer, req.prompt_ids)
         try:
             while not req.finished:
-                for r, tokens in self.engine.step():
-                    if r is req:
-                        delta = decoder.push(self._visible(r, tokens))
-                        if delta:
-                            yield delta
-            if tail := decoder.flush():
-                yield tail
+                for delta in self.engine.step():
+                    if delta.request is req and delta.text:
+                        yield delta.text
         finally:
             self.engine.abort(req)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of messages rendered with the checkpoint's chat template."""
+        if self.tokenizer is None:
+            raise JaxinferError(f"{self.path or 'the model'}: no tokenizer, so no chat template")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -139,15 +184,6 @@ class LLM:
             for c in chunks:
                 self.engine.allocator.release(c.pages)
 
-    def _visible(self, req: Request, tokens: list[int]) -> list[int]:
-        """Drops a final stop token from the text (it stays in token_ids)."""
-        if req.finish_reason == "stop":
-            return tokens[:-1]
-        return tokens
-
     def _output(self, prompt, req: Request) -> RequestOutput:
-        text_ids = self._visible(req, req.output_ids)
-        text = (IncrementalDecoder(self.tokenizer, req.prompt_ids).text_of(text_ids)
-                if self.tokenizer else "")
-        return RequestOutput(prompt, text, list(req.output_ids), req.finish_reason)
-
+        return RequestOutput(prompt, req.text, list(req.output_ids), req.finish_reason,
+                             req.stop_reason, req.logprobs)

@@ -9,7 +9,6 @@ donated so XLA updates the pages in place.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,14 @@ from flax import nnx
 
 from jaxinfer.attention import AttentionMetadata
 from jaxinfer.models import Decoder
-from jaxinfer.sampling import sample
+from jaxinfer.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    SamplingTensors,
+    logprobs_of,
+    sample,
+    token_counts,
+)
 
 
 def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
@@ -34,64 +40,163 @@ class StepInputs:
     positions: jax.Array  # [T] int32
     md: AttentionMetadata
     logits_indices: jax.Array  # [S] int32: the token whose logits each sequence samples from
-    temperature: jax.Array  # [S] f32
-    top_k: jax.Array  # [S] int32
-    top_p: jax.Array  # [S] f32
-    seeds: jax.Array  # [S] int32
-    steps: jax.Array  # [S] int32: tokens generated so far (the sampling key's counter)
+    sampling: SamplingTensors
+    history: jax.Array  # [S, L] int32 prompt + output ids, -1 padded (L = 0: no penalties)
+    num_prompt: jax.Array  # [S] int32: history[s, :num_prompt[s]] is the prompt
+    remaining: jax.Array  # [S] int32: tokens s may still produce (multi-step decode stops there)
+    stops_on_eos: jax.Array  # [S] bool: an EOS token ends s (not ignore_eos)
 
 
 @dataclasses.dataclass
 class SeqChunk:
-    """One sequence's share of a step: tokens[num_cached : num_cached + len(new_tokens)]."""
+    """One sequence's share of a step: tokens[num_cached : num_cached + len(new_tokens)].
+
+    history (prompt + output ids so far) is needed only for penalties; remaining
+    bounds a multi-step decode (at most that many tokens are kept).
+    """
 
     new_tokens: list[int]
     num_cached: int  # tokens already in this sequence's pages
     pages: list[int]
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    params: SamplingParams | None = None  # None: greedy
     seed: int = 0
-    step: int = 0
+    step: int = 0  # tokens generated so far
+    history: list[int] | None = None
+    num_prompt: int = 0
+    remaining: int = 1
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """tokens [S, N] int32 (-1 after a sequence finished on the device: EOS or its remaining
+    budget); with logprobs: logprobs [S, N] f32 and top_ids / top_logprobs [S, N, MAX_LOGPROBS]."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 class ModelRunner:
+    """Runs batches on the model. The KV cache has num_pages + 1 pages: the last is a scratch
+    page that sequences finished in the middle of a multi-step decode write into."""
+
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
                  kv_sharding: jax.sharding.Sharding | None = None):
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
+        self.scratch_page = num_pages
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         self.state_leaves, self.state_treedef = jax.tree.flatten(state)
+        self.eos_token_ids = tuple(c.eos_token_ids)
         dtype = model.embed.embedding.dtype
-        shape = (num_pages, page_size, c.num_kv_heads, c.head_dim)
+        shape = (num_pages + 1, page_size, c.num_kv_heads, c.head_dim)
         # Committed to its device like the step's outputs: an uncommitted first cache would
         # make the first call of each bucket compile a second time once the cache comes back.
         kv_sharding = kv_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
         self.kv_cache = [(zeros(), zeros()) for _ in range(c.num_layers)]
-        self._sample_step = jax.jit(functools.partial(self._forward, sample_tokens=True),
-                                    donate_argnums=(0,))
-        self._logits_step = jax.jit(functools.partial(self._forward, sample_tokens=False),
-                                    donate_argnums=(0,))
+        self._sample_step = jax.jit(self._sample, donate_argnums=(0,),
+                                    static_argnames=("num_steps", "with_logprobs"))
+        self._logits_step = jax.jit(self._logits, donate_argnums=(0,))
 
-    def _forward(self, kv_cache, state_leaves, inputs: StepInputs, *, sample_tokens: bool):
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.state_treedef, state_leaves))
+    def _model(self, state_leaves) -> Decoder:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_treedef, state_leaves))
+
+    def _logits(self, kv_cache, state_leaves, inputs: StepInputs):
+        model = self._model(state_leaves)
         hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, inputs.md)
-        if not sample_tokens:
-            return model.logits(hidden), kv_cache
-        logits = model.logits(hidden[inputs.logits_indices])
-        tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p,
-                        inputs.seeds, inputs.steps)
-        return tokens, kv_cache
+        return model.logits(hidden), kv_cache
 
-    def prepare(self, chunks: list[SeqChunk]) -> StepInputs:
-        """Host-side: pads a batch to its buckets (numpy; one transfer per array)."""
+    def _sample(self, kv_cache, state_leaves, inputs: StepInputs, *, num_steps: int,
+                with_logprobs: bool):
+        """One forward + sample, or num_steps of them for a decode-only batch (one token per
+        sequence) in a while loop that exits once every sequence has finished."""
+        model = self._model(state_leaves)
+        vocab, S = self.config.vocab_size, inputs.logits_indices.shape[0]
+        penalties = inputs.history.shape[1] > 0
+        seen, counts = (token_counts(inputs.history, inputs.num_prompt, vocab) if penalties
+                        else (None, None))
+        num_top = MAX_LOGPROBS if with_logprobs else 1
+        rows = jnp.arange(S)
+
+        def forward(kv_cache, token_ids, positions, md, steps, seen, counts):
+            hidden, kv_cache = model(token_ids, positions, kv_cache, md)
+            logits = model.logits(hidden[inputs.logits_indices])
+            t = dataclasses.replace(inputs.sampling, steps=steps)
+            tokens = sample(logits, t, seen, counts)
+            if with_logprobs:
+                lp = logprobs_of(logits, tokens, num_top)
+            else:
+                lp = (jnp.zeros(S), jnp.zeros((S, 1), jnp.int32), jnp.zeros((S, 1)))
+            return tokens, lp, kv_cache
+
+        tokens, lp, kv_cache = forward(kv_cache, inputs.token_ids, inputs.positions, inputs.md,
+                                       inputs.sampling.steps, seen, counts)
+        if num_steps == 1:
+            return (tokens[:, None], lp[0][:, None], lp[1][:, None], lp[2][:, None]), kv_cache
+
+        live = rows < inputs.md.num_seqs[0]
+        eos = jnp.asarray(self.eos_token_ids or (-2,), jnp.int32)
+
+        def finished(tokens, produced):
+            is_eos = jnp.any(tokens[:, None] == eos[None, :], axis=-1) & inputs.stops_on_eos
+            return is_eos | (produced >= inputs.remaining) | ~live
+
+        out_tokens = jnp.full((S, num_steps), -1, jnp.int32).at[:, 0].set(tokens)
+        out_lp = jnp.zeros((S, num_steps)).at[:, 0].set(lp[0])
+        out_top_ids = jnp.zeros((S, num_steps, num_top), jnp.int32).at[:, 0].set(lp[1])
+        out_top_lp = jnp.zeros((S, num_steps, num_top)).at[:, 0].set(lp[2])
+        carry = (1, kv_cache, tokens, finished(tokens, 1), inputs.md, inputs.positions,
+                 inputs.sampling.steps + 1, seen, counts, out_tokens, out_lp, out_top_ids,
+                 out_top_lp)
+
+        def cond(carry):
+            i, done = carry[0], carry[3]
+            return (i < num_steps) & ~jnp.all(done)
+
+        def body(carry):
+            (i, kv_cache, last, done, md, positions, steps, seen, counts,
+             out_tokens, out_lp, out_top_ids, out_top_lp) = carry
+            if penalties:
+                seen = seen.at[rows, last].set(True)
+                counts = counts.at[rows, last].add(1)
+            # Finished sequences stop advancing and write into the scratch page.
+            step = (~done).astype(jnp.int32)
+            md = dataclasses.replace(
+                md, kv_lens=md.kv_lens + step,
+                page_indices=jnp.where(done[:, None], self.scratch_page, md.page_indices))
+            positions = positions.at[:S].add(step)
+            token_ids = inputs.token_ids.at[:S].set(last)
+            tokens, lp, kv_cache = forward(kv_cache, token_ids, positions, md, steps, seen,
+                                           counts)
+            tokens = jnp.where(done, -1, tokens)
+            out_tokens = out_tokens.at[:, i].set(tokens)
+            out_lp = out_lp.at[:, i].set(lp[0])
+            out_top_ids = out_top_ids.at[:, i].set(lp[1])
+            out_top_lp = out_top_lp.at[:, i].set(lp[2])
+            done = done | finished(tokens, i + 1)
+            return (i + 1, kv_cache, jnp.where(done, last, tokens), done, md, positions,
+                    steps + 1, seen, counts, out_tokens, out_lp, out_top_ids, out_top_lp)
+
+        carry = jax.lax.while_loop(cond, body, carry)
+        return tuple(carry[9:]), carry[1]
+
+    def prepare(self, chunks: list[SeqChunk], num_steps: int = 1) -> StepInputs:
+        """Host-side: pads a batch to its buckets (numpy; one transfer per array).
+
+        num_steps > 1 (a multi-step decode: one new token per chunk, token s is sequence
+        s's) sizes the page table for the min(num_steps, remaining) tokens each will write.
+        """
         num_tokens = sum(len(c.new_tokens) for c in chunks)
-        T = bucket(num_tokens, 16)
         S = bucket(len(chunks), 1)
-        max_pages = max(-(-(c.num_cached + len(c.new_tokens)) // self.page_size) for c in chunks)
+        T = bucket(num_tokens, 16)
+        if num_steps > 1:
+            assert num_tokens == len(chunks)
+        max_pages = max(-(-(c.num_cached + max(len(c.new_tokens), min(num_steps, c.remaining)))
+                          // self.page_size) for c in chunks)
         P = bucket(max_pages, 4, self.max_pages_per_seq)
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
@@ -99,8 +204,11 @@ class ModelRunner:
         kv_lens = np.zeros(S, np.int32)
         page_indices = np.zeros((S, P), np.int32)
         logits_indices = np.zeros(S, np.int32)
-        temperature, top_p = np.zeros(S, np.float32), np.ones(S, np.float32)
-        top_k, seeds, steps = (np.zeros(S, np.int32) for _ in range(3))
+        num_prompt, remaining = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        stops_on_eos = np.zeros(S, bool)
+        penalized = any(c.params is not None and c.params.has_penalties for c in chunks)
+        L = bucket(max(len(c.history or ()) for c in chunks), 16) if penalized else 0
+        history = np.full((S, L), -1, np.int32)
         t = 0
         for s, c in enumerate(chunks):
             n = len(c.new_tokens)
@@ -110,20 +218,32 @@ class ModelRunner:
             kv_lens[s] = c.num_cached + n
             page_indices[s, :len(c.pages)] = c.pages[:P]
             logits_indices[s] = t + n - 1
-            temperature[s], top_k[s], top_p[s] = c.temperature, c.top_k, c.top_p
-            seeds[s], steps[s] = c.seed, c.step
+            remaining[s] = c.remaining
+            stops_on_eos[s] = c.params is None or not c.params.ignore_eos
+            if penalized and c.history is not None:
+                history[s, :len(c.history)] = c.history
+                num_prompt[s] = c.num_prompt
             t += n
         cu_q_lens[len(chunks) + 1:] = t
         md = AttentionMetadata(cu_q_lens=cu_q_lens, kv_lens=kv_lens, page_indices=page_indices,
                                num_seqs=np.array([len(chunks)], np.int32))
-        return StepInputs(token_ids, positions, md, logits_indices, temperature, top_k, top_p,
-                          seeds, steps)
+        sampling = SamplingTensors.build([c.params for c in chunks], [c.seed for c in chunks],
+                                         [c.step for c in chunks], S)
+        return StepInputs(token_ids, positions, md, logits_indices, sampling, history,
+                          num_prompt, remaining, stops_on_eos)
 
-    def step(self, chunks: list[SeqChunk]) -> np.ndarray:
-        """Runs the batch; returns one sampled token per chunk (from its last token's logits)."""
-        tokens, self.kv_cache = self._sample_step(self.kv_cache, self.state_leaves,
-                                                  self.prepare(chunks))
-        return np.asarray(tokens)[:len(chunks)]
+    def step(self, chunks: list[SeqChunk], num_steps: int = 1,
+             with_logprobs: bool = False) -> StepOutput:
+        """Runs the batch; returns the tokens sampled for each chunk (from its last token's
+        logits, then num_steps - 1 more decode steps when num_steps > 1)."""
+        inputs = self.prepare(chunks, num_steps)
+        out, self.kv_cache = self._sample_step(self.kv_cache, self.state_leaves, inputs,
+                                               num_steps=num_steps, with_logprobs=with_logprobs)
+        n = len(chunks)
+        tokens, lp, top_ids, top_lp = (np.asarray(x)[:n] for x in out)
+        if not with_logprobs:
+            return StepOutput(tokens)
+        return StepOutput(tokens, lp, top_ids, top_lp)
 
     def logits(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
         """Runs the batch; returns each chunk's float32 logits [len(new_tokens), vocab]."""

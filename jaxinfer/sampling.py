@@ -2,7 +2,13 @@
 
 Randomness is per request: the key for a request's n-th token is
 fold_in(PRNGKey(seed), n), so a request with a seed gives the same output
-whatever else shares its batch.
+whatever else shares its batch (and after a preemption).
+
+The order of the logits processors follows vLLM: penalties (repetition on
+prompt and output tokens, then frequency and presence on output tokens), then
+temperature, top-k, top-p and min-p. Penalties apply to greedy rows too.
+Logprobs are those of the raw model distribution (log-softmax of the logits
+before any processing), as vLLM returns by default.
 """
 
 from __future__ import annotations
@@ -11,59 +17,172 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.errors import JaxinferError
+
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
 @dataclasses.dataclass
 class SamplingParams:
-    """Like vLLM's: temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those filters."""
+    """Like vLLM's: temperature 0 is greedy; top_k 0 (or -1), top_p 1 and min_p 0 disable
+    those filters; penalties of 1.0 (repetition) and 0.0 (presence, frequency) are off.
+
+    stop: strings that end the output (not included in the text); logprobs: None, or the
+    number of top alternatives to return per token (0 = only the sampled token's).
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 16
     seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise JaxinferError(f"temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise JaxinferError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < -1:
-            raise JaxinferError(f"top_k={self.top_k}: must be -1, 0 or positive")
-        if self.max_tokens < 1:
-            raise JaxinferError(f"max_tokens={self.max_tokens}: must be >= 1")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (-1 <= self.top_k < 2**31, "top_k", "must be -1, 0 or positive (int32)"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be between 0 and {MAX_LOGPROBS}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop",
+             "must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative token ids"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise JaxinferError(f"{name}={getattr(self, name)!r}: {why}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
-def sample(logits, temperature, top_k, top_p, seeds, steps):
-    """logits [S, V] f32; temperature, top_p [S] f32; top_k, seeds, steps [S] int32 -> ids [S].
+@dataclasses.dataclass
+class TokenLogprob:
+    """A generated token's logprob and the top alternatives [(token_id, logprob)], best first."""
 
-    Rows with temperature 0 take the argmax. Others: scale by temperature, keep
-    the top_k highest (0 = all), then the smallest set whose probability reaches
-    top_p, and draw from what is left. An all-greedy batch skips the vocabulary sort.
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-sequence sampling settings on the device, all [S]."""
+
+    temperature: jax.Array  # f32
+    top_k: jax.Array  # int32, 0 = off
+    top_p: jax.Array  # f32
+    min_p: jax.Array  # f32
+    repetition_penalty: jax.Array  # f32
+    presence_penalty: jax.Array  # f32
+    frequency_penalty: jax.Array  # f32
+    seeds: jax.Array  # int32
+    steps: jax.Array  # int32: tokens generated so far (the sampling key's counter)
+
+    @staticmethod
+    def build(params: list[SamplingParams | None], seeds, steps, size: int) -> SamplingTensors:
+        """Host-side (numpy): rows past len(params), or None rows, are greedy padding."""
+        arrays = {f.name: np.zeros(size, np.int32 if f.name in ("top_k", "seeds", "steps")
+                                   else np.float32) for f in dataclasses.fields(SamplingTensors)}
+        arrays["top_p"][:] = arrays["repetition_penalty"][:] = 1.0
+        for s, p in enumerate(params):
+            if p is None:
+                continue
+            for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                         "presence_penalty", "frequency_penalty"):
+                arrays[name][s] = getattr(p, name)
+            arrays["top_k"][s] = max(p.top_k, 0)
+        arrays["seeds"][:len(seeds)] = seeds
+        arrays["steps"][:len(steps)] = steps
+        return SamplingTensors(**arrays)
+
+
+def token_counts(history, num_prompt, vocab: int):
+    """history [S, L] int32 (prompt then output ids, -1 = padding); num_prompt [S] ->
+    (seen [S, V] bool: in prompt or output, output_counts [S, V] int32)."""
+    S, L = history.shape
+    valid = history >= 0
+    ids = jnp.where(valid, history, vocab)  # out of range: dropped
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], (S, L))
+    is_output = valid & (jnp.arange(L)[None, :] >= num_prompt[:, None])
+    seen = jnp.zeros((S, vocab), bool).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((S, vocab), jnp.int32).at[rows, ids].add(
+        is_output.astype(jnp.int32), mode="drop")
+    return seen, counts
+
+
+def apply_penalties(logits, t: SamplingTensors, seen, output_counts):
+    """vLLM's penalties: repetition divides positive (multiplies negative) logits of every
+    seen token; frequency subtracts count * penalty, presence a flat penalty per output token."""
+    rp = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    counts = output_counts.astype(logits.dtype)
+    logits = logits - t.frequency_penalty[:, None] * counts
+    return logits - t.presence_penalty[:, None] * (counts > 0)
+
+
+def sample(logits, t: SamplingTensors, seen=None, output_counts=None):
+    """logits [S, V] f32 -> token ids [S] int32.
+
+    seen / output_counts (from token_counts) turn the penalties on. Rows with
+    temperature 0 take the argmax. Others: scale by temperature, keep the top_k
+    highest (0 = all), then the smallest set whose probability reaches top_p, then
+    the tokens with probability >= min_p * the highest, and draw from what is left.
+    A batch with no sampled row skips the vocabulary sort.
     """
+    if seen is not None:
+        logits = apply_penalties(logits, t, seen, output_counts)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.lax.cond(jnp.any(temperature > 0), _draw, lambda *_: greedy,
-                         logits, temperature, top_k, top_p, seeds, steps)
-    return jnp.where(temperature > 0, drawn, greedy)
+    drawn = jax.lax.cond(jnp.any(t.temperature > 0), _draw, lambda *_: greedy, logits, t)
+    return jnp.where(t.temperature > 0, drawn, greedy)
 
 
-def _draw(logits, temperature, top_k, top_p, seeds, steps):
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+def _draw(logits, t: SamplingTensors):
+    scaled = logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
     vocab = logits.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, vocab), vocab)
+    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    probs = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], probs, 0.0)
+    probs = jnp.where(in_top_k, probs, 0.0)
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    # Keep token i of the sorted list if the mass before it is < top_p.
+    # Keep token i of the sorted list if the mass before it is < top_p, and if its
+    # probability is at least min_p times the highest.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p[:, None]) & (jnp.arange(vocab)[None, :] < k[:, None])
+    keep = (mass_before < t.top_p[:, None]) & in_top_k
+    keep &= probs >= t.min_p[:, None] * probs[:, :1]
     num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # <= k
     threshold = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
     masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(t.seeds, t.steps)
     return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+
+
+def logprobs_of(logits, tokens, num_top: int):
+    """Raw-model logprobs: (of tokens [S] f32, top ids [S, num_top] int32, top logprobs)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, num_top)
+    return chosen, top_ids.astype(jnp.int32), top_lp

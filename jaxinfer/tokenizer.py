@@ -107,15 +107,16 @@ class IncrementalDecoder:
 
     CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids=()):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids)[-self.CONTEXT:]
         self.prefix_offset = 0  # start of the context window
         self.read_offset = len(self.ids)  # tokens before this are emitted
 
     def push(self, token_ids) -> str:
         self.ids.extend(token_ids)
-        decode = self.tokenizer.decode
+        decode = self._decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset])
         text = decode(self.ids[self.prefix_offset:])
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
@@ -124,13 +125,16 @@ class IncrementalDecoder:
         self.read_offset = len(self.ids)
         return text[len(prefix):]
 
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def text_of(self, token_ids) -> str:
         """All of token_ids' text at once (the same text the deltas add up to)."""
         return "".join(self.push([t]) for t in token_ids) + self.flush()
 
     def flush(self) -> str:
         """Whatever is held back (an incomplete character at the very end)."""
-        decode = self.tokenizer.decode
+        decode = self._decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset])
         text = decode(self.ids[self.prefix_offset:])
         self.read_offset = len(self.ids)

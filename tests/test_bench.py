@@ -66,3 +66,17 @@ def test_bench_kernels_plot(tmp_path):
 def test_bench_rejects_model_and_preset(tmp_path):
     result = CliRunner().invoke(cli, ["bench", "latency", "--preset", "tiny", "--model", "x"])
     assert result.exit_code == 1 and "not both" in result.output
+
+
+def test_bench_serve_tiny(tmp_path):
+    """The load generator against a real `jaxinfer serve` process on loopback."""
+    data = _run(["serve", "--preset", "tiny", "--dtype", "float32", "--num-requests", "6",
+                 "--concurrency", "3", "--input-len", "20", "--output-len", "8",
+                 "--kv-cache-gb", "0.01", "--max-num-seqs", "4", "--max-num-batched-tokens",
+                 "64", "--decode-steps", "4", "--no-server-warmup", "--warmup-passes", "0"],
+                tmp_path)
+    assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0
+    for key in ("ttft_ms", "itl_ms", "latency_ms"):
+        p = data[key]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"], (key, p)
+    assert 0 < data["fraction_of_roofline"] and data["roofline_output_tokens_per_s"] > 0

@@ -114,3 +114,131 @@ def test_concurrent_sharers_and_preemption_give_the_same_outputs(converted):
     assert llm.engine.num_preemptions > 0
     assert llm.engine.prefix_hit_tokens > 0
     assert llm.engine.allocator.num_free == 10 and not any(llm.engine.allocator.ref)
+
+
+def _run(converted, prompts, params, **kwargs):
+    llm = LLM(converted, kv_cache_bytes=1 << 22, **kwargs)
+    return llm, llm.generate(prompts, params)
+
+
+def test_multi_step_decode_matches_single_steps(converted):
+    """N decode steps per host round trip: the same tokens, logprobs, finish reasons and
+    text as one step at a time, with EOS ending a sequence early on the device."""
+    rng = np.random.default_rng()
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (5, 17, 30, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=23, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=1.0, top_k=30, min_p=0.02, max_tokens=7, seed=3),
+              SamplingParams(temperature=0.8, repetition_penalty=1.5, presence_penalty=0.5,
+                             frequency_penalty=0.3, max_tokens=19, seed=4),
+              SamplingParams(temperature=0, max_tokens=25)]
+    _, first = _run(converted, prompts, params)
+    # Make the 6th greedy token of the last request an EOS for both engines.
+    eos = first[3].token_ids[5]
+    one_llm = LLM(converted, kv_cache_bytes=1 << 22)
+    one_llm.engine.eos_token_ids = {eos}
+    one_llm.runner.eos_token_ids = (eos,)
+    one = one_llm.generate(prompts, params)
+    multi_llm = LLM(converted, kv_cache_bytes=1 << 22, decode_steps=8)
+    multi_llm.engine.eos_token_ids = {eos}
+    multi_llm.runner.eos_token_ids = (eos,)  # read when the step is traced
+    multi = multi_llm.generate(prompts, params)
+    assert one[3].finish_reason == "stop" and len(one[3].token_ids) <= 6
+    for a, b in zip(one, multi, strict=True):
+        assert a.token_ids == b.token_ids
+        assert (a.text, a.finish_reason) == (b.text, b.finish_reason)
+    for a, b in zip(one[0].logprobs, multi[0].logprobs, strict=True):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        np.testing.assert_allclose([a.logprob] + [lp for _, lp in a.top],
+                                   [b.logprob] + [lp for _, lp in b.top], atol=1e-4)
+    assert multi_llm.engine.num_steps < one_llm.engine.num_steps
+    eng = multi_llm.engine
+    assert eng.allocator.num_free == multi_llm.runner.num_pages and not any(eng.allocator.ref)
+
+
+def test_logprobs_are_the_models_log_softmax(converted):
+    rng = np.random.default_rng()
+    prompt = rng.integers(2, VOCAB, 11).tolist()
+    llm = LLM(converted, kv_cache_bytes=1 << 22)
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=1, max_tokens=6,
+                                                ignore_eos=True, logprobs=5))[0]
+    assert len(out.logprobs) == 6
+    logits = llm.logits([prompt + out.token_ids[:-1]])[0][len(prompt) - 1:].astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    for j, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[j]
+        np.testing.assert_allclose(lp.logprob, logp[j, lp.token_id], atol=1e-4)
+        assert [t for t, _ in lp.top] == np.argsort(-logp[j])[:5].tolist()
+        np.testing.assert_allclose([v for _, v in lp.top], np.sort(logp[j])[::-1][:5],
+                                   atol=1e-4)
+
+
+def test_penalties_follow_their_definition(converted):
+    """Greedy with penalties: each token is the argmax of the model's logits after vLLM's
+    penalties over the tokens so far (numpy, from the model's own logits)."""
+    rng = np.random.default_rng()
+    prompt = rng.integers(2, VOCAB, 9).tolist()
+    rep, pres, freq = 1.8, 0.7, 0.4
+    llm = LLM(converted, kv_cache_bytes=1 << 22)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            repetition_penalty=rep, presence_penalty=pres,
+                            frequency_penalty=freq)
+    out = llm.generate([prompt], params)[0].token_ids
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                  ignore_eos=True))[0].token_ids
+    assert out != plain
+    logits = llm.logits([prompt + out[:-1]])[0][len(prompt) - 1:].astype(np.float64)
+    for j, row in enumerate(logits):
+        seen = set(prompt + out[:j])
+        for t in seen:
+            row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
+        for t in set(out[:j]):
+            row[t] -= freq * out[:j].count(t) + pres
+        assert out[j] == int(row.argmax()), j
+
+
+def test_stop_strings_cut_the_text_and_never_stream_a_partial_stop(converted):
+    rng = np.random.default_rng()
+    prompt = rng.integers(2, VOCAB, 8).tolist()
+    llm = LLM(converted, kv_cache_bytes=1 << 22)
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30,
+                                                 ignore_eos=True))[0]
+    text = free.text
+    assert len(text) > 12
+    # A stop string that starts in the middle of the text (first occurrence).
+    stop = text[6:10]
+    cut = text.index(stop)
+    for steps in (1, 4):
+        llm = LLM(converted, kv_cache_bytes=1 << 22, decode_steps=steps)
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                stop=["never appears \u2603", stop])
+        out = llm.generate([prompt], params)[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == (text[:cut], "stop", stop)
+        assert out.token_ids == free.token_ids[:len(out.token_ids)]
+        deltas = list(llm.stream(prompt, params))
+        assert "".join(deltas) == text[:cut]
+        assert llm.engine.allocator.num_free == llm.runner.num_pages
+    # A stop token id ends it too, reported as the stop reason, its token not in the text.
+    stop_id = free.token_ids[4]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == free.token_ids[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
+    llm = LLM(converted, kv_cache_bytes=1 << 22, max_num_seqs=4, max_num_batched_tokens=64,
+              decode_steps=4)
+    seconds = llm.warmup(max_len=100, progress=False)
+    assert seconds > 0
+    compiled = llm.runner._sample_step._cache_size()
+    # seq buckets 1, 2, 4 x page buckets 4, 7 (100 tokens = 7 pages) + token buckets 16..64
+    assert compiled == 3 * 2 + 3
+    assert not any(llm.engine.allocator.ref)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (10, 40, 3)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    # Prefills of 16..64 tokens, then decodes of 3, 2 and 1 sequences: nothing new compiled
+    # except the mixed prefill+decode batches the scheduler formed.
+    assert llm.runner._sample_step._cache_size() <= compiled + 2

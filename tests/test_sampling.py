@@ -7,21 +7,30 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling import SamplingParams, sample
+from jaxinfer.sampling import SamplingParams, SamplingTensors, sample, token_counts
 
 _sample = jax.jit(sample)
 
 
-def draw(logits, temperature, top_k, top_p, seeds, steps):
-    """Broadcasts scalars to [S] and calls the sampler; returns numpy int ids [S]."""
-    logits = np.asarray(logits, np.float32)
-    S = logits.shape[0]
-
+def tensors(S, temperature=0.0, top_k=0, top_p=1.0, seeds=0, steps=0, min_p=0.0,
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0):
+    """SamplingTensors with each setting broadcast to [S]."""
     def vec(x, dt):
         return np.broadcast_to(np.asarray(x, dt), (S,)).copy()
 
-    ids = _sample(logits, vec(temperature, np.float32), vec(top_k, np.int32),
-                  vec(top_p, np.float32), vec(seeds, np.int32), vec(steps, np.int32))
+    f, i = np.float32, np.int32
+    return SamplingTensors(
+        temperature=vec(temperature, f), top_k=vec(top_k, i), top_p=vec(top_p, f),
+        min_p=vec(min_p, f), repetition_penalty=vec(repetition_penalty, f),
+        presence_penalty=vec(presence_penalty, f), frequency_penalty=vec(frequency_penalty, f),
+        seeds=vec(seeds, i), steps=vec(steps, i))
+
+
+def draw(logits, temperature, top_k, top_p, seeds, steps, min_p=0.0):
+    """Broadcasts scalars to [S] and calls the sampler; returns numpy int ids [S]."""
+    logits = np.asarray(logits, np.float32)
+    S = logits.shape[0]
+    ids = _sample(logits, tensors(S, temperature, top_k, top_p, seeds, steps, min_p))
     assert ids.shape == (S,) and ids.dtype == np.int32
     ids = np.asarray(ids)
     assert ((ids >= 0) & (ids < logits.shape[1])).all()
@@ -233,9 +242,83 @@ def test_chi_square_detects_wrong_distribution():
     assert chi_square(ids, allowed_probs(row, 2.0, 0, 1.0))[0] > CHI2_999[5]
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
+def test_min_p_keeps_tokens_above_fraction_of_best(min_p):
+    rng = np.random.default_rng(11)
+    vocab, n = 8, 2000
+    for _ in range(1000):  # no probability ratio within 3% of min_p
+        row = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
+        p = softmax(row)
+        if np.abs(p / p.max() - min_p).min() > 0.03:
+            break
+    p = softmax(row)
+    expected = np.where(p >= min_p * p.max(), p, 0.0)
+    expected /= expected.sum()
+    ids = draw(np.tile(row, (n, 1)), 1.0, 0, 1.0, 99, np.arange(n), min_p=min_p)
+    stat, dof = chi_square(ids, expected)
+    if dof == 0:
+        assert (ids == p.argmax()).all()
+    else:
+        assert stat < CHI2_999[dof], (stat, np.bincount(ids, minlength=vocab) / n, expected)
+
+
+def numpy_penalized(logits, history, num_prompt, rep, presence, frequency):
+    """vLLM's penalties, written out per row in float64."""
+    out = np.asarray(logits, np.float64).copy()
+    for s, row in enumerate(out):
+        ids = [t for t in history[s] if t >= 0]
+        for t in set(ids):
+            row[t] = row[t] / rep[s] if row[t] > 0 else row[t] * rep[s]
+        outputs = ids[num_prompt[s]:]
+        for t in set(outputs):
+            row[t] -= frequency[s] * outputs.count(t) + presence[s]
+    return out
+
+
+def test_penalties_match_numpy():
+    rng = np.random.default_rng(5)
+    S, vocab, L = 64, 40, 24
+    logits = rng.standard_normal((S, vocab)).astype(np.float32) * 2
+    history = rng.integers(0, vocab, (S, L)).astype(np.int32)
+    lengths = rng.integers(1, L + 1, S)
+    history[np.arange(L)[None, :] >= lengths[:, None]] = -1  # padding
+    num_prompt = rng.integers(0, lengths + 1).astype(np.int32)
+    rep = rng.choice([1.0, 0.7, 1.3, 2.0], S).astype(np.float32)
+    presence = rng.uniform(-2, 2, S).astype(np.float32)
+    frequency = rng.uniform(-2, 2, S).astype(np.float32)
+    t = tensors(S, repetition_penalty=rep, presence_penalty=presence,
+                frequency_penalty=frequency)
+    seen, counts = jax.jit(token_counts, static_argnums=2)(history, num_prompt, vocab)
+    expected = numpy_penalized(logits, history, num_prompt, rep, presence, frequency)
+    # Greedy rows take the argmax of the penalised logits.
+    ids = np.asarray(_sample(logits, t, seen, counts))
+    np.testing.assert_array_equal(ids, expected.argmax(-1))
+    # Without the penalty state the same rows take the plain argmax (the test can fail).
+    plain = np.asarray(_sample(logits, t))
+    assert (plain != ids).any()
+
+
+def test_logprobs_are_raw_log_softmax():
+    from jaxinfer.sampling import logprobs_of
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((5, 300)).astype(np.float32) * 4
+    tokens = rng.integers(0, 300, 5).astype(np.int32)
+    chosen, top_ids, top_lp = jax.jit(logprobs_of, static_argnums=2)(logits, tokens, 20)
+    x = logits.astype(np.float64)
+    ref = x - x.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_allclose(chosen, ref[np.arange(5), tokens], atol=1e-4)
+    np.testing.assert_array_equal(top_ids, np.argsort(-ref, axis=-1)[:, :20])
+    np.testing.assert_allclose(top_lp, np.sort(ref, axis=-1)[:, ::-1][:, :20], atol=1e-4)
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-0.1), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=-0.5),
     dict(top_p=1.01), dict(top_p=2.0), dict(max_tokens=0), dict(max_tokens=-3), dict(top_k=-2),
+    dict(min_p=-0.1), dict(min_p=1.5), dict(repetition_penalty=0.0),
+    dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(logprobs=21),
+    dict(logprobs=-1), dict(stop=[""]), dict(stop_token_ids=[-4]),
 ])
 def test_sampling_params_rejects(kwargs):
     with pytest.raises(JaxinferError) as e:

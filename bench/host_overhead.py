@@ -1,0 +1,81 @@
+"""Host overhead between device steps, from a CUPTI profile of the engine's decode steps.
+
+B requests decode at a context of --ctx tokens; K engine steps are timed on the host
+clock (what a user waits for), and K more run under CUPTI, which records every kernel
+they launch. Host overhead = 1 - (kernel time per generated token / wall time per
+generated token): the share of the time the GPU has no kernel to run (scheduler,
+input preparation, launches, the copy of the sampled ids back).
+
+    python bench/host_overhead.py --preset llama3-8b --batch 1 --decode-steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax.numpy as jnp
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12, help="engine steps per measurement")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI, as mosaic's profiler
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.bench import measure_ceilings, weight_bytes
+    from jaxinfer.presets import preset_config, random_model
+
+    config = preset_config(args.preset)
+    max_len = args.ctx + 8 * args.steps * args.decode_steps + 64
+    llm = LLM(random_model(config, jnp.bfloat16), kv_cache_bytes=8 << 30,
+              max_model_len=max_len, max_num_seqs=args.batch, decode_steps=args.decode_steps)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_len - args.ctx - 1, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request([2 + (i + j) % 1000 for j in range(args.ctx)], params)
+    while any(r.num_output == 0 for r in engine.running + list(engine.waiting)):
+        engine.step()  # prefill
+    for _ in range(3):
+        engine.step()  # compile the decode shapes
+
+    def run():
+        return sum(len(d.token_ids) for _ in range(args.steps) for d in engine.step())
+
+    t = time.perf_counter()
+    tokens = run()
+    wall = (time.perf_counter() - t) / tokens  # per generated token (all sequences)
+    # CUPTI records every kernel the engine's steps launch (jax's mosaic profiler would jit
+    # the function it measures, so its CUPTI hooks are called directly).
+    cupti = mosaic_gpu_lib._mosaic_gpu_ext
+    cupti._cupti_init()
+    try:
+        measured = run()
+    finally:
+        kernels = cupti._cupti_get_timings(True)
+    busy = sum(ms for _, ms in kernels) / 1e3 / measured
+    copy = measure_ceilings().copy_bytes_per_s
+    floor = weight_bytes(llm.model) / copy / args.batch  # weights once per step, per token
+    result = {"preset": args.preset, "batch": args.batch, "ctx": args.ctx,
+              "decode_steps": args.decode_steps, "wall_ms_per_token": wall * 1e3,
+              "kernel_ms_per_token": busy * 1e3, "host_overhead": 1 - busy / wall,
+              "weight_floor_ms_per_token": floor * 1e3, "fraction_of_floor": floor / wall,
+              "copy_gb_per_s": copy / 1e9, "kernels_per_token": len(kernels) / measured}
+    print(f"B={args.batch} ctx={args.ctx} decode_steps={args.decode_steps}: "
+          f"wall {wall * 1e3:.3f} ms/token, kernels {busy * 1e3:.3f} ms/token, host overhead "
+          f"{100 * (1 - busy / wall):.1f}%, weight floor {floor * 1e3:.3f} ms "
+          f"({100 * floor / wall:.1f}% of it reached; copy {copy / 1e9:.0f} GB/s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""`jaxinfer serve`: the OpenAI-compatible HTTP server (jaxinfer/server.py) on one model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import click
+
+from jaxinfer.errors import JaxinferError
+
+
+def _seconds_since_process_start() -> float | None:
+    """From /proc (Linux): the process's age, so "ready in" includes Python's imports."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound (not yet listening) to host:port, so a taken port fails before loading."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise JaxinferError(f"--host {host} --port {port}: cannot listen there "
+                            f"({e.strerror or e})") from None
+    return sock
+
+
+@click.command()
+@click.option("--model", "model_path", default=None,
+              help="Converted dir, HF dir or .gguf file (default: embedded SmolLM2-135M-Instruct).")
+@click.option("--preset", default=None,
+              help="A random-weight model of a named shape instead (token-id prompts only).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None,
+              help="Compute dtype (default: as stored; bfloat16 for HF/GGUF sources and presets).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind (0.0.0.0 exposes the server to the network).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="0 picks a free port (printed when ready).")
+@click.option("--api-key", default=None, envvar="JAXINFER_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* (env JAXINFER_API_KEY).")
+@click.option("--served-model-name", default=None,
+              help="The model name clients send (default: the --model or --preset value).")
+@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-num-batched-tokens", default=2048, show_default=True,
+              type=click.IntRange(min=1))
+@click.option("--kv-cache-gb", default=4.0, show_default=True, type=click.FloatRange(min=0,
+              min_open=True), help="Size of the paged KV cache in GiB.")
+@click.option("--max-model-len", default=None, type=click.IntRange(min=2),
+              help="Longest prompt + output (default: the model's context, capped by the cache).")
+@click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Decode steps per engine step (more: fewer host round trips).")
+@click.option("--no-warmup", is_flag=True, help="Skip compiling the step buckets at start.")
+def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max_num_seqs,
+          max_num_batched_tokens, kv_cache_gb, max_model_len, decode_steps, no_warmup):
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics)."""
+    start = time.perf_counter() - (_seconds_since_process_start() or 0.0)
+    try:
+        from jaxinfer.server import run_server
+    except ImportError as e:
+        raise JaxinferError(f"jaxinfer serve needs the 'serve' extra (pip install "
+                            f"'jaxinfer[serve]'): {e}") from None
+    from jaxinfer import LLM
+
+    if model_path and preset:
+        raise JaxinferError("--model and --preset: give one, not both")
+    sock = _bind(host, port)
+    if preset:
+        import jax.numpy as jnp
+
+        from jaxinfer.presets import preset_config, random_model
+
+        model = random_model(preset_config(preset), jnp.dtype(dtype or "bfloat16"))
+    else:
+        model = model_path
+    llm = LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps)
+    if not no_warmup:
+        llm.warmup()
+    name = served_model_name or preset or model_path or "SmolLM2-135M-Instruct"
+    sock.listen(2048)  # connections from now on wait in the backlog until uvicorn accepts
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    click.echo(f"ready in {time.perf_counter() - start:.1f} s on http://{url_host}:{bound_port}")
+    run_server(llm, name, sock, api_key=api_key)
