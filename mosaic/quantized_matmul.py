@@ -214,6 +214,8 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped:
         plgpu.wait_smem_to_gmem(0)
 
 
+# Jitted so that call sites with the same shapes (a model's layers) share one lowering.
+@functools.partial(jax.jit, static_argnames=("config",))
 def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
                           config: Config | None = None) -> jax.Array:
     """x [M, K] @ W^T -> [M, N] in x.dtype (see the module docstring)."""

@@ -397,6 +397,11 @@ def ragged_paged_attention_mgpu(
     return out, k_pages, v_pages
 
 
+# Jitted so that the layers of a model, which call it with the same shapes and options,
+# share one trace and one lowering of the kernel (lowering it once per layer made a
+# 32-layer step take about a minute to compile).
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "k_scale", "v_scale", "config"))
 def attend_pages_mgpu(
     q, k_pages, v_pages, md: AttentionMetadata, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
