@@ -329,7 +329,7 @@ class Engine:
             req.finish_reason, req.stop_reason = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
             req.finish_reason = "stop"
-        elif req.num_output >= p.max_tokens or len(req.all_ids) >= self.max_model_len:
+        elif self._remaining(req) <= 0:
             req.finish_reason = "length"
 
     def abort(self, req: Request):

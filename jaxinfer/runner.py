@@ -240,10 +240,9 @@ class ModelRunner:
         out, self.kv_cache = self._sample_step(self.kv_cache, self.state_leaves, inputs,
                                                num_steps=num_steps, with_logprobs=with_logprobs)
         n = len(chunks)
-        tokens, lp, top_ids, top_lp = (np.asarray(x)[:n] for x in out)
-        if not with_logprobs:
-            return StepOutput(tokens)
-        return StepOutput(tokens, lp, top_ids, top_lp)
+        if not with_logprobs:  # only the ids come back to the host
+            return StepOutput(np.asarray(out[0])[:n])
+        return StepOutput(*(np.asarray(x)[:n] for x in out))
 
     def logits(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
         """Runs the batch; returns each chunk's float32 logits [len(new_tokens), vocab]."""

@@ -252,17 +252,37 @@ def test_stop_strings_and_stop_token_ids(server):
     assert by_id.choices[0].model_extra["stop_reason"] == stop_id
 
 
-def test_logprobs(server):
+def test_logprobs(server, qwen3_converted):
     resp = _complete(server, "The printing press", max_tokens=8, logprobs=5,
                      extra_body={"ignore_eos": True})
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
-        assert logprob <= 0
-        assert 1 <= len(top) <= 5  # tokens with the same text share a key
-        assert logprob == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the best
-        assert top[token] == pytest.approx(logprob, abs=1e-5)
+    # Oracle: the model's own float64 log-softmax (same checkpoint, in this process); the API
+    # keys top_logprobs by token text, the likeliest id keeping a text shared by several.
+    from jaxinfer import LLM
+
+    llm = LLM(qwen3_converted, kv_cache_bytes=1 << 22)
+    prompt_ids = resp.choices[0].model_extra["prompt_token_ids"]
+    out_ids = _ids(resp)
+    logits = llm.logits([prompt_ids + out_ids[:-1]])[0][len(prompt_ids) - 1:]
+    logp = logits.astype(np.float64)
+    logp -= logp.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+
+    def text(t):
+        return llm.tokenizer.decode([int(t)], skip_special_tokens=False)
+
+    for j, (token, logprob, top) in enumerate(
+            zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)):
+        assert token == text(out_ids[j])
+        assert logprob == pytest.approx(logp[j, out_ids[j]], abs=1e-4)
+        expected: dict[str, float] = {}
+        for t in np.argsort(-logp[j])[:5]:
+            expected.setdefault(text(t), logp[j, t])
+        assert top.keys() == expected.keys()
+        for key, value in expected.items():
+            assert top[key] == pytest.approx(value, abs=1e-4)
 
     chat = server.client.chat.completions.create(
         model=server.name, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
