@@ -26,6 +26,7 @@ def main():
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12, help="engine steps per measurement")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
     args = ap.parse_args()
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI, as mosaic's profiler
 
@@ -62,7 +63,8 @@ def main():
         kernels = cupti._cupti_get_timings(True)
     busy = sum(ms for _, ms in kernels) / 1e3 / measured
     copy = measure_ceilings().copy_bytes_per_s
-    floor = weight_bytes(llm.model) / copy / args.batch  # weights once per step, per token
+    # weights once per step (MoE: the experts the batch hits), per token
+    floor = weight_bytes(llm.model, tokens=args.batch) / copy / args.batch
     result = {"preset": args.preset, "batch": args.batch, "ctx": args.ctx,
               "decode_steps": args.decode_steps, "wall_ms_per_token": wall * 1e3,
               "kernel_ms_per_token": busy * 1e3, "host_overhead": 1 - busy / wall,
@@ -72,6 +74,10 @@ def main():
           f"wall {wall * 1e3:.3f} ms/token, kernels {busy * 1e3:.3f} ms/token, host overhead "
           f"{100 * (1 - busy / wall):.1f}%, weight floor {floor * 1e3:.3f} ms "
           f"({100 * floor / wall:.1f}% of it reached; copy {copy / 1e9:.0f} GB/s)")
+    if args.top:
+        from step_profile import kernel_table  # bench/, beside this script
+
+        print(kernel_table(kernels, args.top))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

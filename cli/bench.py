@@ -25,7 +25,8 @@ def _model_options(fn):
         click.option("--model", "model_path", default=None,
                      help="Checkpoint (converted dir, HF dir, .gguf); default: --preset."),
         click.option("--preset", default=None,
-                     help="Random-weight model shape (llama3-8b, llama3-70b, qwen3-8b, tiny)."),
+                     help="Random-weight model shape (llama3-8b, llama3-70b, qwen3-8b, "
+                          "qwen3-30b-a3b, mixtral-8x7b, gpt-oss-20b, tiny, tiny-moe)."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
                      show_default=True),
         click.option("--kv-cache-gb", type=float, default=4.0, show_default=True),

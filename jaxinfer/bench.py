@@ -141,20 +141,37 @@ def bench_kernels(ceilings: Ceilings, backend: str = "reference", small: bool = 
 
 # --- end to end ------------------------------------------------------------------------------
 
-def weight_bytes(model) -> int:
-    """Bytes of every parameter (int4 at half a byte, as packed on the device)."""
+def expert_fraction(config, tokens: int) -> float:
+    """Expected share of a layer's experts that `tokens` tokens hit, each choosing k of E
+    (uniform routing: 1 - (1 - k/E)^tokens; k/E for one token)."""
+    if not config.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - config.num_experts_per_tok / config.num_experts) ** tokens
+
+
+def _params(model, tokens: int | None):
+    """(path, variable, weight) for every parameter; expert stacks weigh the share of them
+    that `tokens` tokens read (all of them if tokens is None)."""
     from flax import nnx
 
-    return sum(v.size // 2 if v.dtype == jnp.int4 else v.size * v.dtype.itemsize
-               for _, v in nnx.state(model, nnx.Param).flat_state())
+    share = 1.0 if tokens is None else expert_fraction(model.config, tokens)
+    for path, v in nnx.state(model, nnx.Param).flat_state():
+        yield path, v, share if "experts" in path else 1.0
 
 
-def weight_count(model) -> int:
-    """Number of weights, float or quantized (not counting quantization scales / offsets)."""
-    from flax import nnx
+def weight_bytes(model, tokens: int | None = None) -> int:
+    """Bytes of every parameter (4-bit kinds at half a byte, as packed on the device); with
+    `tokens`, the bytes a step over that many tokens reads (MoE: only the experts hit)."""
+    half = (jnp.dtype(jnp.int4), jnp.dtype(jnp.float4_e2m1fn))
+    return int(sum((v.size // 2 if v.dtype in half else v.size * v.dtype.itemsize) * share
+                   for _, v, share in _params(model, tokens)))
 
-    return sum(v.size for path, v in nnx.state(model, nnx.Param).flat_state()
-               if path[-1] not in ("weight_scale", "weight_offset"))
+
+def weight_count(model, active: bool = False) -> int:
+    """Number of weights, float or quantized (not counting quantization scales / offsets);
+    `active`: the weights one token multiplies (MoE: k of the E experts)."""
+    return int(sum(v.size * share for path, v, share in _params(model, 1 if active else None)
+                   if path[-1] not in ("weight_scale", "weight_offset")))
 
 
 def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ceilings,
@@ -181,13 +198,13 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
 
     run()  # compile every bucket this shape touches
     ttft, itl = run()
-    w_bytes = weight_bytes(llm.model)
+    w_bytes = weight_bytes(llm.model, tokens=batch)  # MoE: the experts a step hits
     itemsize = llm.model.embed.embedding.dtype.itemsize
     kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
     mid_ctx = input_len + output_len // 2
     step_bytes = w_bytes + batch * mid_ctx * kv_token
     attn_flops = 4 * batch * mid_ctx * c.num_heads * c.head_dim * c.num_layers
-    step_flops = 2 * weight_count(llm.model) * batch + attn_flops
+    step_flops = 2 * weight_count(llm.model, active=True) * batch + attn_flops
     summary = {"batch": batch, "input_len": input_len, "output_len": output_len,
                "ttft_ms": ttft * 1e3, "itl_ms": itl * 1e3, "tokens_per_s": batch / itl,
                "weight_bytes": w_bytes}
@@ -202,9 +219,11 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     rng = np.random.default_rng(seed)
     c = llm.config
     lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
-    prompts = [rng.integers(2, c.vocab_size, n).tolist() for n in lens]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts, params)  # compile every bucket the workload touches
+    # A first pass with other prompts of the same lengths compiles every step shape the
+    # workload touches; the same prompts again would hit the prefix cache and skip prefill.
+    llm.generate([rng.integers(2, c.vocab_size, n).tolist() for n in lens], params)
+    prompts = [rng.integers(2, c.vocab_size, n).tolist() for n in lens]
     steps_before, t = llm.engine.num_steps, time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t
@@ -214,11 +233,11 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     # (a sequence of final length L is live ~output_len steps at mean context L - output_len/2).
     itemsize = llm.model.embed.embedding.dtype.itemsize
     kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
-    w_bytes = weight_bytes(llm.model)
+    w_bytes = weight_bytes(llm.model, tokens=len(lens))  # MoE: ~the experts a step hits
     kv_reads = sum(output_len * (n + output_len / 2) for n in lens) * kv_token
     all_tokens = int(sum(lens)) + generated
     step_bytes = w_bytes + kv_reads / steps
-    step_flops = 2 * weight_count(llm.model) * all_tokens / steps
+    step_flops = 2 * weight_count(llm.model, active=True) * all_tokens / steps
     summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
                "seconds": elapsed, "steps": steps, "output_tokens_per_s": generated / elapsed,
                "requests_per_s": num_requests / elapsed}

@@ -90,14 +90,13 @@ def _checked_tensors(source, config: ModelConfig, dtype, want: dict | None = Non
     """(key, array) pairs, each source tensor checked against the model's shape; all must appear.
 
     Float tensors are cast to dtype; with `fmt`, the decoder-block projections are
-    quantized to it instead. A GGUF's Q4_0 / Q4_1 / Q8_0 projections are kept as
-    they are if `native`. A quantized weight is yielded as its parts: `key` (values),
-    `key_scale` and, if asymmetric, `key_offset`.
+    quantized to it instead. A GGUF's Q4_0 / Q4_1 / Q8_0 projections and an HF
+    checkpoint's MXFP4 experts are kept as they are if `native`. A quantized weight is
+    yielded as its parts: `key` (values), `key_scale` and, if asymmetric, `key_offset`.
     """
     want = want or expected_shapes(config)
     seen = set()
-    tensors = (source.tensors(native=native and fmt is None) if isinstance(source, GGUFSource)
-               else source.tensors())
+    tensors = source.tensors(native=native and fmt is None)
     for key, array, file in tensors:
         if key not in want:
             if key == "lm_head" and config.tie_word_embeddings:
@@ -134,8 +133,9 @@ def _quantize_format(quantize: str | None) -> QuantFormat | None:
 def _check_group_size(source, want: dict, fmt: QuantFormat):
     """Every quantized projection's in_features K must be a multiple of the group size."""
     g = fmt.group_size
-    for key, (_, k) in ((k, s) for k, s in want.items() if is_quantizable(k)):
-        if g and k % g:
+    for key, shape in want.items():
+        k = shape[-1]
+        if is_quantizable(key) and g and k % g:
             raise JaxinferError(f"{source.path}: --quantize {fmt}: tensor {key} has "
                                 f"in_features K={k}, not a multiple of the group size {g}")
 
@@ -190,7 +190,8 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
             if group:
                 ocp.partial.save(weights, group)
             ocp.partial.finalize(weights)
-        quantization = str(fmt) if fmt is not None else "gguf" if native else None
+        quantization = (str(fmt) if fmt is not None
+                        else source.native_quantization if native else None)
         config = dataclasses.replace(config, quantization=quantization)
         (tmp / CONFIG_FILE).write_text(config.to_json())
         for name, data in tokenizer_files.items():
@@ -249,8 +250,8 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
         np_dtype = DTYPES[dtype or "bfloat16"]
         params = {k: jax.device_put(a, sharding)
                   for k, a in _checked_tensors(source, config, np_dtype)}
-        if any(k.endswith(SCALE) for k in params):  # a GGUF's own quantized tensors
-            config = dataclasses.replace(config, quantization="gguf")
+        if any(k.endswith(SCALE) for k in params):  # a GGUF's or MXFP4 checkpoint's own
+            config = dataclasses.replace(config, quantization=source.native_quantization)
         activations = None
     return _build_model(config, params, activations)
 
@@ -317,22 +318,25 @@ def _check_stored(weights_dir, want: dict, stored: dict):
             raise JaxinferError(
                 f"{weights_dir}: tensor {key} is {jnp.dtype(stored[key].dtype)} "
                 + ("without" if quantized_values else "with")
-                + f" a {key}{SCALE} (quantized values are int8, int4 or float8_e4m3fn)")
+                + f" a {key}{SCALE} (quantized values are int8, int4, float8_e4m3fn or "
+                "float4_e2m1fn)")
     for key, array in stored.items():
         if not key.endswith(_PARTS):
             continue
         weight = key.removesuffix(SCALE).removesuffix(OFFSET)
         if weight not in want or not is_quantizable(weight):
             raise JaxinferError(f"{weights_dir}: tensor {key}: only the decoder-block "
-                                "projections (q/k/v/o, gate/up/down) can be quantized")
+                                "projections (q/k/v/o, gate/up/down, experts) can be quantized")
         if weight + SCALE not in stored:
             raise JaxinferError(f"{weights_dir}: tensor {key} has no {weight}{SCALE}")
-        n, k = want[weight]
+        *stack, n, k = want[weight]  # an expert stack [E, N, K] has scales [E, G, N]
         shape = tuple(array.shape)
-        if (len(shape) != 2 or shape[1] != n or not shape[0] or k % shape[0]
+        if (len(shape) != len(stack) + 2 or list(shape[:-2]) != stack or shape[-1] != n
+                or not shape[-2] or k % shape[-2]
                 or not jnp.issubdtype(array.dtype, jnp.floating)):
+            expected = ", ".join(map(str, [*stack, "G", n]))
             raise JaxinferError(f"{weights_dir}: tensor {key} is {jnp.dtype(array.dtype)} "
-                                f"{shape}; expected float [G, {n}] with G dividing "
+                                f"{shape}; expected float [{expected}] with G dividing "
                                 f"in_features {k}")
         if key.endswith(OFFSET) and shape != tuple(stored[weight + SCALE].shape):
             raise JaxinferError(f"{weights_dir}: tensor {key} has shape {shape}, its "

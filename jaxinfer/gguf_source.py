@@ -126,6 +126,8 @@ def decode_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Q
 class GGUFSource:
     """A .gguf file (llama, mistral, qwen2, qwen3 architectures)."""
 
+    native_quantization = "gguf"  # the ModelConfig.quantization of its own quantized tensors
+
     def __init__(self, path: Path):
         import gguf
 

@@ -1,7 +1,9 @@
 """Reads an HF model directory: config.json, (sharded) safetensors, tokenizer files.
 
 Tensors are yielded one at a time under our checkpoint keys (see
-`jaxinfer.models.Decoder`), so a converter never holds the whole model.
+`jaxinfer.models.Decoder`), so a converter never holds the whole model; an MoE
+layer's expert weights, stored per expert (Mixtral, Qwen-MoE) or split into parts
+(gpt-oss), are held until their stack is complete (`ExpertStacks`).
 Pickle weights (`pytorch_model.bin`) are never loaded.
 """
 
@@ -12,11 +14,13 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
 from jaxinfer.config import ModelConfig, config_from_hf, read_json
 from jaxinfer.errors import JaxinferError
+from jaxinfer.quant import QuantizedWeight, dequantize
 from jaxinfer.tokenizer import TOKENIZER_FILES
 
 _LAYER_NAMES = {
@@ -24,7 +28,17 @@ _LAYER_NAMES = {
     "post_attention_layernorm.weight": "post_attn_norm.scale",
     "self_attn.q_norm.weight": "attn.q_norm.scale",
     "self_attn.k_norm.weight": "attn.k_norm.scale",
+    # MoE routers: Qwen-MoE, Mixtral, gpt-oss
+    "mlp.gate.weight": "mlp.router.weight",
+    "block_sparse_moe.gate.weight": "mlp.router.weight",
 }
+# One expert's projection (Qwen-MoE gate/up/down_proj, Mixtral w1/w3/w2) -> its stack.
+_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_PROJ = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
+                "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
+                "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}
+# gpt-oss stores each layer's experts whole: bf16 (in-major, gate/up interleaved) or MXFP4.
+_FUSED_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
@@ -40,6 +54,8 @@ def hf_key(name: str) -> str | None:
     if m is None:
         return None
     layer, rest = m.groups()
+    if _EXPERT_RE.fullmatch(rest) or _FUSED_EXPERTS.fullmatch(rest):
+        return None  # assembled by ExpertStacks
     if rest in _LAYER_NAMES:
         rest = _LAYER_NAMES[rest]
     elif rest.startswith("self_attn."):
@@ -49,8 +65,83 @@ def hf_key(name: str) -> str | None:
     return f"layers.{layer}.{rest}"
 
 
+def _deinterleave(a: np.ndarray, axis: int) -> np.ndarray:
+    """gpt-oss interleaves gate and up (gate, up, gate, ...): -> all gates, then all ups."""
+    even = np.take(a, np.arange(0, a.shape[axis], 2), axis=axis)
+    odd = np.take(a, np.arange(1, a.shape[axis], 2), axis=axis)
+    return np.concatenate([even, odd], axis=axis)
+
+
+def mxfp4_weight(blocks: np.ndarray, scales: np.ndarray) -> QuantizedWeight:
+    """MXFP4 parts -> a stacked fp4 QuantizedWeight W [E, N, K].
+
+    blocks [E, N, K // 32, 16] uint8: two e2m1 codes per byte, the low nibble first;
+    scales [E, N, K // 32] uint8: e8m0 exponents (scale = 2^(s - 127)) of each 32 values.
+    """
+    e, n, groups, _ = blocks.shape
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(e, n, groups * 32)
+    values = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn)
+    exps = np.swapaxes(scales.astype(np.float32) - 127.0, 1, 2)  # [E, K // 32, N]
+    return QuantizedWeight(values, np.exp2(exps).astype(np.float32))
+
+
+class ExpertStacks:
+    """Collects one layer's expert tensors until a stack is complete, then returns it.
+
+    Stacks (our keys): layers.{i}.mlp.experts.gate_up_proj.weight [E, 2I, H] (all gate
+    rows, then all up rows), .bias [E, 2I], and down_proj.weight [E, H, I], .bias [E, H].
+    """
+
+    def __init__(self, config: ModelConfig):
+        self.num_experts = config.num_experts
+        self.parts: dict[str, dict] = {}
+
+    def add(self, name: str, array: np.ndarray) -> list[tuple[str, object]]:
+        """An HF tensor -> the (key, stack) pairs it completes (none if still partial)."""
+        m = _LAYER_RE.fullmatch(name)
+        if m is None:
+            return []
+        layer, rest = m.groups()
+        prefix = f"layers.{layer}.mlp.experts."
+        if em := _EXPERT_RE.fullmatch(rest):
+            stack, half = _EXPERT_PROJ.get(em.group(2), (None, None))
+            if stack is None:
+                return []
+            need = self.num_experts * (2 if stack == "gate_up_proj" else 1)
+            parts = self._put(prefix + stack + ".weight", (half, int(em.group(1))), array)
+            if len(parts) < need:
+                return []
+            halves = [np.stack([parts[(h, e)] for e in range(self.num_experts)])
+                      for h in sorted({h for h, _ in parts})]
+            return [(prefix + stack + ".weight", np.concatenate(halves, axis=1))]
+        if fm := _FUSED_EXPERTS.fullmatch(rest):
+            stack, suffix = fm.group(1), fm.group(2) or ""
+            gate_up = stack == "gate_up_proj"
+            if suffix == "_bias":
+                return [(prefix + stack + ".bias", _deinterleave(array, 1) if gate_up
+                         else array)]
+            if suffix == "":  # bf16: [E, in, out] -> [E, out, in]
+                w = np.swapaxes(array, 1, 2)
+                return [(prefix + stack + ".weight", _deinterleave(w, 1) if gate_up else w)]
+            parts = self._put(prefix + stack + ".weight", suffix, array)
+            if len(parts) < 2:
+                return []
+            w = mxfp4_weight(parts["_blocks"], parts["_scales"])
+            if gate_up:
+                w = QuantizedWeight(_deinterleave(w.values, 1), _deinterleave(w.scales, 2))
+            return [(prefix + stack + ".weight", w)]
+        return []
+
+    def _put(self, key: str, part, array) -> dict:
+        parts = self.parts.setdefault(key, {})
+        parts[part] = array
+        return parts
+
+
 class HFSource:
     """An HF checkpoint directory."""
+
+    native_quantization = "mxfp4"  # the only quantized HF tensors read: gpt-oss experts
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -84,8 +175,13 @@ class HFSource:
                 raise JaxinferError(f"{f}: weight file listed in the index is missing")
         return files
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray, str]]:
-        """Yields (our key, array as stored, source file name), one tensor at a time."""
+    def tensors(self, native: bool = True) -> Iterator[tuple[str, np.ndarray, str]]:
+        """Yields (our key, array as stored, source file name), one tensor at a time.
+
+        MXFP4 experts (gpt-oss) come as a stacked fp4 `QuantizedWeight` if `native`,
+        else dequantized to float32.
+        """
+        stacks = ExpertStacks(self.config)
         for file in self.files:
             try:
                 with safe_open(file, framework="numpy") as f:
@@ -93,6 +189,11 @@ class HFSource:
                         key = hf_key(name)
                         if key is not None:
                             yield key, f.get_tensor(name), file.name
+                        else:
+                            for key, stack in stacks.add(name, f.get_tensor(name)):
+                                if isinstance(stack, QuantizedWeight) and not native:
+                                    stack = np.asarray(dequantize(stack))
+                                yield key, stack, file.name
             except JaxinferError:
                 raise
             except Exception as e:  # safetensors raises its own types for bad files

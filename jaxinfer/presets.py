@@ -1,7 +1,5 @@
 """Random-weight models of named shapes, built directly on the device (no checkpoint needed),
 so large-model performance can be measured without weights.
-
-MoE presets (qwen3-30b-a3b, mixtral-8x7b, gpt-oss-20b) arrive with the MoE models.
 """
 
 from __future__ import annotations
@@ -35,6 +33,34 @@ PRESETS: dict[str, ModelConfig] = {
         num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
         qk_norm=True, eos_token_ids=(151645,)),
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, eos_token_ids=(151645,)),
+    "mixtral-8x7b": ModelConfig(
+        family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+        eos_token_ids=(2,)),
+    "gpt-oss-20b": ModelConfig(
+        family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "truncate": False, "original_max_position_embeddings": 4096},
+        qkv_bias=True, o_bias=True, sliding_window=128, sliding_layers=tuple(range(0, 24, 2)),
+        attention_sinks=True, num_experts=32, num_experts_per_tok=4,
+        moe_intermediate_size=2880, router_bias=True, expert_bias=True,
+        activation="gpt_oss", eos_token_ids=(200002,)),
+    # A tiny MoE (CPU smoke tests of the MoE path).
+    "tiny-moe": ModelConfig(
+        family="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        eos_token_ids=(1,)),
     # Small enough for CPU smoke tests.
     "tiny": ModelConfig(
         family="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,

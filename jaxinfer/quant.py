@@ -4,11 +4,15 @@ A `QuantizedWeight` stands for a float weight W [N, K] = (out_features, in_featu
 stored K-major like the float weights (8-bit tensor-core operands cannot be
 transposed on the fly):
 
-  values   [N, K]                 int8, int4 (two per byte in device memory) or float8_e4m3fn
+  values   [N, K]                 int8, int4 (two per byte in device memory), float8_e4m3fn
+                                  or float4_e2m1fn (MXFP4: gpt-oss experts, group 32)
   scales   [K // group_size, N]   float32; per-channel weights have one row (group_size == K)
   offsets  None, or like scales   float32; asymmetric formats (GGUF Q4_1, AWQ zero points)
 
   W[n, k] = values[n, k] * scales[k // group_size, n]  (+ offsets[k // group_size, n])
+
+A stack of E expert weights W [E, N, K] (MoE, see `jaxinfer.grouped_matmul`) is the
+same with a leading expert axis on every part: values [E, N, K], scales [E, K // g, N].
 
 An integer zero point z is the offset -z * scale, so one form covers AWQ's
 integer zero points and GGUF Q4_1's float minimum. Scales and offsets are kept
@@ -38,7 +42,10 @@ FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 GROUP_SIZES = (32, 64, 128)
 # Largest magnitude of each integer kind (symmetric formats use [-qmax, qmax]).
 INT_QMAX = {"int8": 127, "int4": 7}
-VALUE_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": FP8_DTYPE}
+VALUE_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": FP8_DTYPE,
+                "fp4": jnp.float4_e2m1fn}
+FP4_MAX = 6.0
+MXFP4_GROUP = 32  # OCP microscaling: 32 fp4 values share one power-of-two (e8m0) scale
 
 
 @jax.tree_util.register_dataclass
@@ -52,38 +59,47 @@ class QuantizedWeight:
     activations: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def shape(self) -> tuple[int, ...]:
+        """(N, K), or (E, N, K) for a stack of expert weights."""
         return tuple(self.values.shape)
 
     @property
     def kind(self) -> str:
-        """'int8', 'int4' or 'fp8'."""
+        """'int8', 'int4', 'fp8' or 'fp4'."""
         return {jnp.dtype(v): k for k, v in VALUE_DTYPES.items()}[jnp.dtype(self.values.dtype)]
 
     @property
     def group_size(self) -> int:
         """K for per-channel scales, else the number of K elements sharing one scale."""
-        return self.values.shape[1] // self.scales.shape[0]
+        return self.values.shape[-1] // self.scales.shape[-2]
 
     @property
     def nbytes(self) -> int:
-        """Bytes a matmul reads: values (int4 at half a byte), scales and offsets."""
-        n, k = self.shape
-        value_bytes = n * k // 2 if self.kind == "int4" else n * k
+        """Bytes a matmul reads: values (4-bit kinds at half a byte), scales and offsets."""
+        size = self.values.size
+        value_bytes = size // 2 if self.kind in ("int4", "fp4") else size
         extra = self.scales.size * 4 * (1 if self.offsets is None else 2)
         return value_bytes + extra
+
+    def expert(self, e: int) -> QuantizedWeight:
+        """Expert e's [N, K] weight of an [E, N, K] stack."""
+        return QuantizedWeight(self.values[e], self.scales[e],
+                               None if self.offsets is None else self.offsets[e],
+                               self.activations)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     """What `quantize` produces; `parse_format` reads the command-line spelling."""
 
-    kind: str  # "int8" | "int4" | "fp8"
+    kind: str  # "int8" | "int4" | "fp8" | "fp4" (MXFP4: always group 32, power-of-two scales)
     group_size: int | None = None  # None: one scale per output channel
     asymmetric: bool = False  # offsets (zero points) per group / channel
     activations: str | None = None  # "fp8": W8A8
 
     def __str__(self):
+        if self.kind == "fp4":
+            return "mxfp4"
         parts = [self.kind]
         if self.group_size:
             parts.append(f"g{self.group_size}")
@@ -95,11 +111,13 @@ class QuantFormat:
 
 
 def parse_format(spec: str) -> QuantFormat:
-    """'int8' | 'int4' | 'int4:g128' | 'int8:g32:asym' | 'fp8' | 'fp8:weight-only'."""
+    """'int8' | 'int4' | 'int4:g128' | 'int8:g32:asym' | 'fp8' | 'fp8:weight-only' | 'mxfp4'."""
+    if spec == "mxfp4":
+        return QuantFormat("fp4", MXFP4_GROUP)
     kind, *options = spec.split(":")
-    if kind not in VALUE_DTYPES:
+    if kind not in ("int8", "int4", "fp8"):
         raise JaxinferError(f"--quantize {spec!r}: unknown format {kind!r} "
-                            "(expected int8, int4 or fp8, e.g. int4:g128)")
+                            "(expected int8, int4, fp8 or mxfp4, e.g. int4:g128)")
     group_size, asymmetric = None, False
     activations = "fp8" if kind == "fp8" else None
     for opt in options:
@@ -118,15 +136,28 @@ def parse_format(spec: str) -> QuantFormat:
 
 
 def quantize(w: jax.Array | np.ndarray, fmt: QuantFormat | str) -> QuantizedWeight:
-    """Quantizes a float W [N, K] (round to nearest, scales from each group's range)."""
+    """Quantizes a float W [N, K] or a stack [E, N, K] (round to nearest, scales from
+    each group's range)."""
     fmt = parse_format(fmt) if isinstance(fmt, str) else fmt
     w = jnp.asarray(w, jnp.float32)
+    if w.ndim == 3:
+        parts = [quantize(we, fmt) for we in w]
+        return QuantizedWeight(
+            jnp.stack([p.values for p in parts]), jnp.stack([p.scales for p in parts]),
+            None if parts[0].offsets is None else jnp.stack([p.offsets for p in parts]),
+            fmt.activations)
     n, k = w.shape
     g = fmt.group_size or k
     if k % g:
         raise JaxinferError(f"cannot quantize a [{n}, {k}] weight with group size {g}: "
                             f"in_features {k} is not a multiple of it")
     groups = w.reshape(n, k // g, g)
+    if fmt.kind == "fp4":
+        # The smallest power of two that brings the group's absmax within e2m1's 6.0.
+        absmax = jnp.max(jnp.abs(groups), axis=-1)
+        scales = jnp.where(absmax > 0, jnp.exp2(jnp.ceil(jnp.log2(absmax / FP4_MAX))), 1.0)
+        values = (groups / scales[..., None]).astype(jnp.float4_e2m1fn)
+        return QuantizedWeight(values.reshape(n, k), scales.T, None, None)
     if fmt.kind == "fp8":
         absmax = jnp.max(jnp.abs(groups), axis=-1)
         scales = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
@@ -150,24 +181,27 @@ def quantize(w: jax.Array | np.ndarray, fmt: QuantFormat | str) -> QuantizedWeig
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """W [N, K] in dtype (computed in float32)."""
-    n, k = w.shape
+    """W [..., N, K] in dtype (computed in float32)."""
+    *lead, n, k = w.shape
     g = w.group_size
-    groups = w.values.astype(jnp.float32).reshape(n, k // g, g)
-    out = groups * w.scales.T[..., None]
+    groups = w.values.astype(jnp.float32).reshape(*lead, n, k // g, g)
+    out = groups * jnp.swapaxes(w.scales, -1, -2)[..., None]
     if w.offsets is not None:
-        out = out + w.offsets.T[..., None]
-    return out.reshape(n, k).astype(dtype)
+        out = out + jnp.swapaxes(w.offsets, -1, -2)[..., None]
+    return out.reshape(*lead, n, k).astype(dtype)
 
 
 def error_bound(w: QuantizedWeight) -> jax.Array:
     """Per-element bound [N, K] on |dequantize(quantize(W)) - W| for round-to-nearest.
 
     Integers: half a step (scale / 2). fp8 e4m3: 3 mantissa bits, so a relative
-    error of 2^-4 of the value, plus half of the smallest subnormal step.
+    error of 2^-4 of the value, plus half of the smallest subnormal step. fp4 e2m1:
+    1 mantissa bit (relative 2^-2), plus half the subnormal step 0.5.
     """
     n, k = w.shape
     scale = jnp.repeat(w.scales.T, w.group_size, axis=1)
     if w.kind == "fp8":
         return (jnp.abs(dequantize(w)) * 2.0 ** -4 + scale * 2.0 ** -10).reshape(n, k)
+    if w.kind == "fp4":
+        return jnp.abs(dequantize(w)) * 2.0 ** -2 + scale * 0.25
     return scale / 2

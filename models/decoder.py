@@ -1,4 +1,8 @@
-"""The decoder-only transformer shared by every dense family (Llama, Mistral, Qwen2, Qwen3).
+"""The decoder-only transformer shared by every family, dense and MoE.
+
+Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss differ only by
+their `ModelConfig`: a layer's feed-forward block is the dense `MLP` or, in MoE models,
+`MoE` (`jaxinfer.models.moe`).
 
 Input is one ragged batch of T new tokens (see `jaxinfer.attention`); the KV
 cache is a list with one (k_pages, v_pages) pair per layer, returned updated.
@@ -14,19 +18,25 @@ from jaxinfer.attention import AttentionMetadata
 from jaxinfer.config import ModelConfig
 from jaxinfer.linear import linear
 from jaxinfer.models.layers import MLP, Attention, RMSNorm
+from jaxinfer.models.moe import MoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.attn = Attention(config, layer=layer, dtype=dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        self.mlp = (MoE(config, dtype=dtype, rngs=rngs) if config.is_moe_layer(layer)
+                    else MLP(config, dtype=dtype, rngs=rngs))
 
     def __call__(self, x, positions, kv_pages, md):
         h, kv_pages = self.attn(self.input_norm(x), positions, kv_pages, md)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
+        if isinstance(self.mlp, MoE):  # padding tokens must not route to experts
+            live = jnp.arange(x.shape[0]) < md.cu_q_lens[md.num_seqs[0]]
+            x = x + self.mlp(self.post_attn_norm(x), live)
+        else:
+            x = x + self.mlp(self.post_attn_norm(x))
         return x, kv_pages
 
 
@@ -46,7 +56,7 @@ class Decoder(nnx.Module):
         self.config = config
         self.embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
-            [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+            [DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
         self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head = None

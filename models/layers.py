@@ -25,7 +25,10 @@ _init = nnx.initializers.normal(0.02)
 # The Linear layers that may be quantized, by key inside `layers.{i}`; embeddings, the LM
 # head, norms and biases always stay float.
 QUANTIZABLE = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+               "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+               "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+               "mlp.shared_expert.down_proj")
 _QUANTIZABLE_WEIGHT = re.compile(
     r"layers\.\d+\.(?:" + "|".join(map(re.escape, QUANTIZABLE)) + r")\.weight")
 
@@ -44,9 +47,12 @@ class Linear(nnx.Module):
     the scales, or None), with `activations` ("fp8": W8A8) static.
     """
 
-    def __init__(self, in_features, out_features, *, bias, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs.params(), (out_features, in_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+    def __init__(self, in_features, out_features, *, bias, dtype, rngs: nnx.Rngs,
+                 num_experts: int = 0):
+        stack = (num_experts,) if num_experts else ()  # a stack of expert layers (MoE)
+        self.weight = nnx.Param(_init(rngs.params(), (*stack, out_features, in_features),
+                                      dtype))
+        self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
         self.weight_scale = nnx.data(None)
         self.weight_offset = nnx.data(None)
         self.activations = None
@@ -115,10 +121,12 @@ def rope_inv_freq(config: ModelConfig) -> tuple[jax.Array, float]:
             return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (
                 2 * math.log(config.rope_theta))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / max(high - low, 1e-3),
-                        0, 1)
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):  # gpt-oss keeps the fractional range
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low)
+                        / (high - low if high != low else 1e-3), 0, 1)
         extrapolation = 1 - ramp
         inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
         attention_factor = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
@@ -137,7 +145,9 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    """GQA attention over the paged KV cache; layer `layer` of the config (its window)."""
+
+    def __init__(self, config: ModelConfig, *, layer: int = 0, dtype, rngs: nnx.Rngs):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias,
@@ -153,6 +163,10 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: a learned logit per query head joins each softmax's denominator.
+        self.sinks = (nnx.Param(jnp.zeros((c.num_heads,), dtype))
+                      if c.attention_sinks else None)
+        self.sliding_window = c.layer_window(layer)
         self.config = c
 
     def __call__(self, x, positions, kv_pages, md: AttentionMetadata):
@@ -167,22 +181,22 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq, rope_factor)
         out, k_pages, v_pages = ragged_paged_attention(
             q, k, v, *kv_pages, md,
-            sm_scale=self.head_dim ** -0.5, sliding_window=self.config.sliding_window,
+            sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
+            sinks=None if self.sinks is None else self.sinks[...],
         )
         return self.o_proj(out.reshape(T, -1)), (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), of `intermediate_size` (default: the config's)."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, intermediate_size: int | None = None, dtype,
+                 rngs: nnx.Rngs):
         c = config
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias,
-                                dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias,
-                              dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias,
-                                dtype=dtype, rngs=rngs)
+        i = intermediate_size or c.intermediate_size
+        self.gate_proj = Linear(c.hidden_size, i, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(c.hidden_size, i, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(i, c.hidden_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -19,7 +19,23 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(sliding_window=24, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    # MoE: 2 layers, hidden 64, experts of 32..128.
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=24, tie_word_embeddings=False)),
+    # A shared expert, top-k weights not renormalised, layer 1 dense (mlp_only_layers).
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48,
+                                         mlp_only_layers=[1], tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, head_dim=32,
+                                         moe_intermediate_size=32, norm_topk_prob=True,
+                                         tie_word_embeddings=True)),
+    # Attention sinks, a 16-token window on layer 0 only, biases, clamped SwiGLU, YaRN.
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                     sliding_window=16, tie_word_embeddings=False,
+                                     layer_types=["sliding_attention", "full_attention"])),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 VOCAB = 320
 
 

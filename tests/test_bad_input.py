@@ -151,9 +151,9 @@ def test_model_config_with_unknown_field(hf_models, tmp_path):
     out = tmp_path / "ckpt"
     assert CliRunner().invoke(cli, ["convert", str(hf_models["llama"]), str(out)]).exit_code == 0
     cfg = json.loads((out / "model_config.json").read_text())
-    cfg["num_experts"] = 8
+    cfg["num_wings"] = 8
     (out / "model_config.json").write_text(json.dumps(cfg))
-    _fails_cleanly(["generate", "--model", out, "--prompt", "hi"], "num_experts")
+    _fails_cleanly(["generate", "--model", out, "--prompt", "hi"], "num_wings")
 
 
 def test_huge_seed_is_accepted(hf_models):
@@ -181,3 +181,12 @@ def test_library_rejects_bad_prompts_and_leaves_nothing_queued(hf_models):
     assert not llm.engine.has_unfinished()
     assert len(llm.engine.allocator.free) == llm.runner.num_pages
     assert len(llm.generate([[5, 6, 7]], params)) == 1
+
+
+def test_moe_config_with_bad_top_k(hf_models, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(hf_models["qwen3_moe"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 99
+    (src / "config.json").write_text(json.dumps(cfg))
+    _fails_cleanly(["generate", "--model", src, "--prompt", "hi"], "num_experts_per_tok")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
+import pytest
 from click.testing import CliRunner
 
 from jaxinfer.cli.main import cli
@@ -40,11 +42,28 @@ def test_bench_kernels_reference(tmp_path):
     assert any(r["name"].startswith("attention") for r in data["rows"])
 
 
-def test_bench_latency_tiny(tmp_path):
-    data = _run(["latency", "--preset", "tiny", "--input-len", "20", "--output-len", "6",
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_bench_latency_tiny(tmp_path, preset):
+    data = _run(["latency", "--preset", preset, "--input-len", "20", "--output-len", "6",
                  "--kv-cache-gb", "0.01"], tmp_path)
     assert data["ttft_ms"] > 0 and data["itl_ms"] > 0 and data["tokens_per_s"] > 0
     _check_rows(data["rows"])
+
+
+def test_moe_active_weights():
+    """A batch-1 MoE step reads k of E experts: the roofline counts only those."""
+    from jaxinfer.bench import expert_fraction, weight_bytes, weight_count
+    from jaxinfer.presets import preset_config, random_model
+
+    config = preset_config("tiny-moe")  # 8 experts, top 2, float32 here
+    model = random_model(config, dtype=jnp.float32)
+    # Per layer, gate + up + down: 3 x [8 experts, 32, 64] float32 weights.
+    experts = config.num_layers * 3 * 8 * 32 * 64 * 4
+    total = weight_bytes(model)
+    assert weight_bytes(model, tokens=1) == pytest.approx(total - experts * (1 - 2 / 8), abs=8)
+    assert weight_count(model, active=True) == pytest.approx(
+        weight_count(model) - experts / 4 * (1 - 2 / 8), abs=8)
+    assert expert_fraction(config, 1000) == pytest.approx(1.0)
 
 
 def test_bench_throughput_tiny(tmp_path):

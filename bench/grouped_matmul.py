@@ -1,0 +1,257 @@
+"""MoE expert grouped matmuls on the GPU: ours against XLA and jax's Mosaic GPU ragged dot.
+
+  python bench/grouped_matmul.py [--quick] [--models qwen3,mixtral] [--proj gate_up,down]
+                                 [--tokens 1,8,64,512,4096] [--draws N] [--iters N]
+                                 [--sweep] [--xla-max-seconds S] [--max-minutes T]
+                                 [--out FILE.md] [--cpu-smoke]
+
+y = x @ W[e]^T per row's expert e, x [tokens * top_k, hidden] bf16 sorted by expert,
+W [E, N, K] bf16 (`jaxinfer.grouped_matmul`). Expert shapes:
+  qwen3-30b-a3b  E=128, top-8, hidden 2048, expert intermediate 768:
+                 gate_up [128, 1536, 2048] (gate and up fused), down [128, 2048, 768]
+  mixtral-8x7b   E=8, top-2, hidden 4096, intermediate 14336:
+                 gate_up [8, 28672, 4096], down [8, 4096, 14336]
+Routing is drawn at random: each token picks top_k distinct experts uniformly. Each cell
+cycles over `--draws` routings (so back-to-back calls mostly hit other experts, as the
+layers of a decode step would: weights come from HBM, not L2).
+
+Columns:
+  rows         tokens * top_k; hit: experts with at least one row (mean over the draws)
+  floor        max(bytes of the experts hit / copy bandwidth, 2 * rows * N * K / bf16
+               matmul rate), both ceilings measured in this run (`measure_ceilings`)
+  ours         `grouped_matmul(..., implementation="mosaic_gpu")` (jitted), checked first
+               against the XLA reference on the same inputs: "err" is max |ours - ref| /
+               max |ref| (FAIL above 2e-2)
+  ragged_dot   XLA's `ragged_dot_general` (the reference; on GPU a dense, zero-padded dot
+               over all experts: E times the FLOPs). Skipped when that dense dot would take
+               longer than --xla-max-seconds at the measured matmul rate.
+  mgpu         jax's `ops/gpu/ragged_dot_mgpu.ragged_dot` (transpose_rhs=True takes the
+               [E, N, K] stack as it is); the first of a few block configs that compiles
+               and agrees with the reference is timed, else "n/a (why)".
+  % floor      floor / ours; vs XLA: ragged_dot time / ours
+--sweep also times a few other `Config`s of our kernel per cell (printed to the log).
+
+Times are CUPTI kernel-time medians (`jaxinfer.bench.median_seconds`; host wall time on
+the CPU). A cell that fails prints "n/a (reason)" and the table goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from quantized_matmul import Cell, Rotating, disagreement, short  # bench/ helpers
+
+from jaxinfer.bench import measure_ceilings, median_seconds
+from jaxinfer.grouped_matmul import grouped_matmul
+
+MODELS = {  # name: (experts, top_k, hidden, expert intermediate)
+    "qwen3": ("qwen3-30b-a3b", 128, 8, 2048, 768),
+    "mixtral": ("mixtral-8x7b", 8, 2, 4096, 14336),
+    "smoke": ("cpu smoke", 8, 2, 256, 128),
+}
+PROJECTIONS = ("gate_up", "down")
+TOKENS = (1, 8, 64, 512, 4096)
+
+
+def projection_shape(proj: str, hidden: int, inter: int) -> tuple[int, int]:
+    """(N, K) of one expert's weight."""
+    return (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
+
+
+def draw_routing(rng: np.random.Generator, tokens: int, experts: int, top_k: int):
+    """group_sizes [E] int32 of `tokens` tokens each choosing top_k distinct experts."""
+    choice = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    return np.bincount(choice.ravel(), minlength=experts).astype(np.int32)
+
+
+def mgpu_candidates(rows: int) -> list[dict]:
+    """Block configs for jax's ragged_dot_mgpu, best guess first."""
+    bm = 64 if rows <= 4096 else 128
+    return [dict(block_m=bm, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1),
+            dict(block_m=64, block_n=64, block_k=64, max_concurrent_steps=4, grid_block_n=1)]
+
+
+def sweep_configs(x, w):
+    """Our default config for these shapes and a few neighbours (for --sweep)."""
+    from jaxinfer.mosaic import grouped_matmul as mgm
+
+    m, k = x.shape
+    e, n, _ = w.shape
+    base = mgm.choose_config(m, e, n, k, mgm.num_sms())
+    out = [base]
+    for change in (dict(max_rows=base.max_rows * 2), dict(max_rows=base.max_rows // 2),
+                   dict(compute_wgs=3 - base.compute_wgs), dict(k_pieces=3 - base.k_pieces),
+                   dict(num_stages=max(2, base.num_stages - 2))):
+        cfg = dataclasses.replace(base, **change)
+        while mgm.smem_bytes(cfg) > mgm.SMEM_BYTES and cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        if (8 <= cfg.max_rows <= 256 and n % cfg.block_n == 0
+                and k % (64 * cfg.k_pieces) == 0 and cfg not in out):
+            out.append(cfg)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="gate_up only, tokens in {1, 64, 4096}")
+    ap.add_argument("--models", help="comma list of: qwen3, mixtral (default both)")
+    ap.add_argument("--proj", help="comma list of: gate_up, down (default both)")
+    ap.add_argument("--tokens", help="comma list of token counts (default 1,8,64,512,4096)")
+    ap.add_argument("--draws", type=int, default=4, help="routings cycled per cell")
+    ap.add_argument("--iters", type=int, help="timed calls per cell (default 10; smoke 2)")
+    ap.add_argument("--sweep", action="store_true", help="also time neighbouring configs")
+    ap.add_argument("--no-mgpu", action="store_true", help="skip jax's ragged_dot_mgpu")
+    ap.add_argument("--xla-max-seconds", type=float, default=2.0,
+                    help="skip XLA's dense ragged_dot when it would take longer (default 2)")
+    ap.add_argument("--max-minutes", type=float, default=8.0,
+                    help="skip the cells left after this long (default 8)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="a tiny shape, 1 and 8 tokens: a quick check that runs on the CPU")
+    ap.add_argument("--out", help="also write the table (markdown) here")
+    a = ap.parse_args()
+
+    gpu = jax.default_backend() == "gpu"
+    models = "smoke" if a.cpu_smoke else a.models or "qwen3,mixtral"
+    projs = a.proj or ("gate_up" if a.quick else ",".join(PROJECTIONS))
+    tokens = a.tokens or ("1,8" if a.cpu_smoke else "1,64,4096" if a.quick else
+                          ",".join(map(str, TOKENS)))
+    models = [MODELS[s.strip()] for s in models.split(",")]
+    projs = [p.strip() for p in projs.split(",")]
+    tokens = [int(t) for t in tokens.split(",")]
+    iters = a.iters or (2 if a.cpu_smoke else 10)
+    bench = functools.partial(median_seconds, iters=iters, warmup=1 if a.cpu_smoke else 2)
+    start = time.perf_counter()
+    deadline = start + 60 * a.max_minutes
+
+    c = measure_ceilings() if gpu else measure_ceilings(64 << 20, 512)
+    header = [f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+              f"jax {jax.__version__}", c.line(),
+              f"median of {iters} calls per cell, {a.draws} routings cycled"]
+    if not gpu:
+        header.append("not a GPU: host wall times; ours runs in Mosaic GPU interpret mode")
+    print("\n".join(header), flush=True)
+
+    ours = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu"))
+    ref = jax.jit(functools.partial(grouped_matmul, implementation="reference"))
+
+    def timed(label, fn, arg_sets) -> Cell:
+        if time.perf_counter() > deadline:
+            return Cell(note="skipped (time budget)")
+        try:
+            t = bench(Rotating(fn, arg_sets))
+        except Exception as e:  # noqa: BLE001  (lowering / compile / SMEM / OOM)
+            print(f"    {label}: {short(e, 300)}", flush=True)
+            return Cell(note=f"n/a ({short(e, 60)})")
+        print(f"    {label}: {t * 1e6:.1f} us", flush=True)
+        return Cell(t)
+
+    def checked(label, fn, arg_sets, want) -> tuple[Cell, str]:
+        """fn timed after its output on the first arg set is compared with `want`."""
+        if time.perf_counter() > deadline:
+            return Cell(note="skipped (time budget)"), "-"
+        try:
+            got = fn(*arg_sets[0])
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            rel = err / max(float(jnp.max(jnp.abs(want.astype(jnp.float32)))), 1e-30)
+        except Exception as e:  # noqa: BLE001
+            print(f"    {label}: {short(e, 300)}", flush=True)
+            return Cell(note=f"n/a ({short(e, 60)})"), "-"
+        if (why := disagreement(got, want, 2e-2)) is not None:
+            print(f"    {label}: FAIL {why}", flush=True)
+            return Cell(note=f"FAIL ({why})"), f"{rel:.2g}"
+        return timed(label, fn, arg_sets), f"{rel:.2g}"
+
+    def time_mgpu(x_sets, want) -> Cell:
+        if not gpu:
+            return Cell(note="n/a (Hopper GPU only)")
+        from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+
+        failures = []
+        for cfg in mgpu_candidates(x_sets[0][0].shape[0]):
+            fn = jax.jit(lambda x, w, gs, cfg=cfg: ragged_dot(
+                x, w, group_sizes=gs, transpose_rhs=True, **cfg))
+            cell, _ = checked(f"mgpu {cfg}", fn, x_sets, want)
+            if cell.seconds is not None:
+                return cell
+            failures.append(cell.note)
+        return Cell(note=failures[0] if failures else "n/a")
+
+    rows, rng = [], np.random.default_rng(0)
+    key = jax.random.key(0)
+    for name, e, top_k, hidden, inter in models:
+        for proj in projs:
+            n, k = projection_shape(proj, hidden, inter)
+            title = f"{name} {proj} [{e}, {n}, {k}]"
+            print(f"{title} (at {time.perf_counter() - start:.0f} s)", flush=True)
+            key, wkey = jax.random.split(key)
+            w = (jax.random.normal(wkey, (e, n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+            for t in tokens:
+                m = t * top_k
+                sizes = [draw_routing(rng, t, e, top_k) for _ in range(a.draws)]
+                hit = float(np.mean([(s > 0).sum() for s in sizes]))
+                x = jax.random.normal(jax.random.fold_in(wkey, t), (m, k), jnp.bfloat16)
+                arg_sets = [(x, w, jnp.asarray(s)) for s in sizes]
+                bytes_hit = hit * n * k * 2
+                bw_floor = bytes_hit / c.copy_bytes_per_s
+                flop_floor = 2 * m * n * k / c.matmul_flops_per_s
+                label = f"{name} {proj} tokens={t}"
+                try:
+                    want = ref(*arg_sets[0]) if gpu or e * m * n * k < 1e10 else None
+                except Exception as ex:  # noqa: BLE001
+                    print(f"    {label} reference: {short(ex, 300)}", flush=True)
+                    want = None
+                if want is None:
+                    cell_ours, err = timed(f"{label} ours", ours, arg_sets), "no ref"
+                else:
+                    cell_ours, err = checked(f"{label} ours", ours, arg_sets, want)
+                dense_s = 2 * e * m * n * k / c.matmul_flops_per_s
+                if dense_s > a.xla_max_seconds:
+                    cell_xla = Cell(note=f"skipped (dense: ~{dense_s:.0f} s)")
+                else:
+                    cell_xla = timed(f"{label} ragged_dot", ref, arg_sets)
+                cell_mgpu = (Cell(note="skipped") if a.no_mgpu or want is None
+                             else time_mgpu(arg_sets, want))
+                if a.sweep and gpu:
+                    from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu
+
+                    for cfg in sweep_configs(x, w):
+                        fn = jax.jit(functools.partial(grouped_matmul_mgpu, config=cfg))
+                        checked(f"{label} sweep {cfg}", fn, arg_sets, want)
+                rows.append(dict(shape=title, tokens=t, rows=m, hit=hit,
+                                 floor_s=max(bw_floor, flop_floor),
+                                 floor_kind="bw" if bw_floor >= flop_floor else "flop",
+                                 ours=cell_ours, xla=cell_xla, mgpu=cell_mgpu, err=err))
+            del w
+            write_table(header, rows, a.out)
+    print(f"done in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def write_table(header: list[str], rows: list[dict], path: str | None):
+    """Prints the table so far (and rewrites `path`), so that a run cut off keeps it."""
+    out = ["| shape | tokens | rows | experts hit | floor (us) | ours (us) | ragged_dot (us) "
+           "| ragged_dot_mgpu (us) | ours % floor | vs ragged_dot | ours err |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ours, xla = r["ours"], r["xla"]
+        pct = (f"{100 * r['floor_s'] / ours.seconds:.0f}%" if ours.seconds else "-")
+        speedup = (f"{xla.seconds / ours.seconds:.1f}x" if ours.seconds and xla.seconds
+                   else "-")
+        out.append(f"| {r['shape']} | {r['tokens']} | {r['rows']} | {r['hit']:.1f} | "
+                   f"{r['floor_s'] * 1e6:.1f} ({r['floor_kind']}) | {ours.text()} | "
+                   f"{xla.text()} | {r['mgpu'].text()} | {pct} | {speedup} | {r['err']} |")
+    table = "\n".join(out)
+    print("\n" + table + "\n", flush=True)
+    if path:
+        with open(path, "w") as fh:
+            fh.write("\n".join(header) + "\n\n" + table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Where a workload's GPU time goes: the offline throughput workload of `jaxinfer bench
+throughput`, run once to compile, then again under CUPTI; prints wall time, kernel time
+and the kernels with the most time (summed by name).
+
+    python bench/step_profile.py --preset llama3-8b --num-requests 64 --input-len 1024 \
+        --output-len 256 --decode-steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--kv-cache-gb", type=float, default=24)
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args()
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.presets import preset_config, random_model
+
+    config = preset_config(args.preset)
+    llm = LLM(random_model(config, jnp.bfloat16), kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+              max_model_len=args.input_len + args.output_len + 16,
+              max_num_seqs=args.num_requests,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              decode_steps=args.decode_steps)
+    rng = np.random.default_rng(0)
+    lens = rng.integers(args.input_len // 2, args.input_len + 1, args.num_requests)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+
+    def prompts():  # fresh tokens each pass: no prefix-cache hits, same step shapes
+        return [rng.integers(2, config.vocab_size, n).tolist() for n in lens]
+
+    llm.generate(prompts(), params)  # compile
+    steps0, t = llm.engine.num_steps, time.perf_counter()
+    llm.generate(prompts(), params)
+    wall = time.perf_counter() - t
+    print(f"wall {wall:.2f} s, {llm.engine.num_steps - steps0} engine steps")
+    cupti = mosaic_gpu_lib._mosaic_gpu_ext
+    cupti._cupti_init()
+    t = time.perf_counter()
+    try:
+        llm.generate(prompts(), params)
+    finally:
+        kernels = cupti._cupti_get_timings(True)
+    wall = time.perf_counter() - t
+    busy = sum(ms for _, ms in kernels) / 1e3
+    print(f"under CUPTI: wall {wall:.2f} s, kernels {busy:.2f} s ({len(kernels)} launches)")
+    print(kernel_table(kernels, args.top))
+
+
+def kernel_table(kernels: list[tuple[str, float]], top: int) -> str:
+    """CUPTI's (name, ms) records -> a markdown table of the `top` kernels by summed time."""
+    total, count = collections.Counter(), collections.Counter()
+    for name, ms in kernels:
+        total[name[:90]] += ms
+        count[name[:90]] += 1
+    busy = sum(total.values())
+    lines = ["| kernel | calls | total ms | share |", "| --- | --- | --- | --- |"]
+    lines += [f"| {name} | {count[name]} | {ms:.1f} | {100 * ms / busy:.1f}% |"
+              for name, ms in total.most_common(top)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Grouped matmul over experts: y = x @ W[e]^T for each row's expert e, the one entry point.
+
+  x            [M, K]     bfloat16 / float16 / float32 rows, sorted by expert: rows
+                          [start_e, start_e + group_sizes[e]) belong to expert e, where
+                          start_e = group_sizes[0] + ... + group_sizes[e - 1]
+  w            [E, N, K]  float expert weights (K-major, like `jaxinfer.linear`), or a
+                          stacked `QuantizedWeight` (values [E, N, K], scales [E, K // g, N])
+  group_sizes  [E]        int32, >= 0, summing to at most M (dynamic: shapes stay static)
+  -> y         [M, N]     in x.dtype, accumulated in float32; rows at or past
+                          sum(group_sizes) are zero
+
+The MoE layer (`jaxinfer.models.moe`) sorts its (token, expert) pairs by expert once per
+layer and makes one call per projection over all experts. `grouped_matmul` picks the
+implementation in one place: the Mosaic GPU kernel on Hopper, the Pallas TPU kernel on
+TPU, the pure-JAX reference elsewhere; a kernel that cannot take the inputs (its
+`unsupported_reason`) falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
+from jaxinfer.quant import QuantizedWeight, dequantize
+
+ExpertWeights = jax.Array | QuantizedWeight
+
+
+def grouped_matmul_reference(x: jax.Array, w: ExpertWeights,
+                             group_sizes: jax.Array) -> jax.Array:
+    """The spec: dequantise the stack, then `jax.lax.ragged_dot` (XLA; dense on GPU)."""
+    w = dequantize(w, x.dtype) if isinstance(w, QuantizedWeight) else w.astype(x.dtype)
+    y = jax.lax.ragged_dot_general(
+        x, w, group_sizes.astype(jnp.int32),
+        jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((1,), (2,)), ((), ())),
+            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]),
+        preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def check_shapes(x, w: ExpertWeights, group_sizes):
+    if x.ndim != 2 or len(w.shape) != 3:
+        raise ValueError(f"grouped_matmul: x {tuple(x.shape)} must be [M, K] and w "
+                         f"{tuple(w.shape)} [E, N, K]")
+    e, _, k = w.shape
+    if x.shape[1] != k:
+        raise ValueError(f"grouped_matmul: x has {x.shape[1]} features, the weights {k}")
+    if tuple(group_sizes.shape) != (e,):
+        raise ValueError(f"grouped_matmul: group_sizes {tuple(group_sizes.shape)}, "
+                         f"expected ({e},)")
+
+
+def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
+                   implementation: str | None = None) -> jax.Array:
+    """x [M, K], w [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
+
+    `implementation` forces one of IMPLEMENTATIONS (tests and benchmarks); None picks
+    the default for the device, falling back to the reference for inputs the kernel
+    does not take.
+    """
+    check_shapes(x, w, group_sizes)
+    impl = implementation or default_implementation()
+    if impl == "mosaic_gpu":
+        from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu, unsupported_reason
+        if implementation is None and unsupported_reason(x, w) is not None:
+            impl = "reference"
+        else:
+            return grouped_matmul_mgpu(x, w, group_sizes)
+    if impl == "pallas_tpu":
+        from jaxinfer.pallas_kernels.grouped_matmul import grouped_matmul_tpu, unsupported_reason
+        if implementation is None and unsupported_reason(x, w) is not None:
+            impl = "reference"
+        else:
+            return grouped_matmul_tpu(x, w, group_sizes)
+    if impl == "reference":
+        return grouped_matmul_reference(x, w, group_sizes)
+    raise ValueError(f"grouped_matmul implementation {impl!r}: expected one of {IMPLEMENTATIONS}")

@@ -1,0 +1,129 @@
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss).
+
+Per layer, for T tokens x [T, H], E experts, top-k routing:
+  1. route: router logits [T, E] (float32) -> the k experts of each token and their
+     weights [T, k] (softmax over the chosen k, or the top-k of the full softmax);
+  2. sort the T*k (token, expert) pairs by expert once; gather the rows x_sorted [T*k, H]
+     and count group_sizes [E];
+  3. one `grouped_matmul` per projection over all experts: gate_up [E, 2I, H] (the gate
+     rows, then the up rows) -> [T*k, 2I]; the activation; down [E, H, I] -> [T*k, H];
+  4. scatter the rows back to (token, slot) order and sum each token's k rows weighted by
+     its router weights. Qwen2-MoE adds a shared expert scaled by sigmoid(gate(x)).
+
+Checkpoint keys inside `layers.{i}.mlp`: router.weight [E, H] (+ router.bias),
+experts.gate_up_proj.weight [E, 2I, H], experts.down_proj.weight [E, H, I] (+ .bias
+[E, 2I] / [E, H] for gpt-oss; quantized stacks add weight_scale [E, K // g, N]),
+shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight [1, H].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.grouped_matmul import grouped_matmul
+from jaxinfer.models.layers import MLP, Linear
+
+
+class ExpertLinear(Linear):
+    """A stack of E linear layers: weight [E, out, in] (+ bias [E, out]), float or quantized
+    (`Linear.set_quantized` with a stacked `QuantizedWeight`)."""
+
+    def __init__(self, num_experts, in_features, out_features, *, bias, dtype,
+                 rngs: nnx.Rngs):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype, rngs=rngs,
+                         num_experts=num_experts)
+
+    def __call__(self, x_sorted, group_sizes, row_expert):
+        """x_sorted [M, in] (rows grouped by expert), group_sizes [E], row_expert [M]
+        -> [M, out]."""
+        w = self.quantized_weight() if self.quantized else self.weight[...]
+        y = grouped_matmul(x_sorted, w, group_sizes)
+        if self.bias is not None:
+            y = (y.astype(jnp.float32) + self.bias[...][row_expert].astype(jnp.float32))
+            y = y.astype(x_sorted.dtype)
+        return y
+
+
+def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32).
+
+    norm_topk_prob: the weights are a softmax over the k largest logits (equal to the full
+    softmax's top k renormalised); else the full softmax's top-k entries as they are.
+    """
+    top_logits, experts = jax.lax.top_k(logits, k)
+    if norm_topk_prob:
+        weights = jax.nn.softmax(top_logits, axis=-1)
+    else:
+        weights = jnp.exp(top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+    return weights, experts.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        e, i = c.num_experts, c.moe_intermediate_size
+        self.gate_up_proj = ExpertLinear(e, c.hidden_size, 2 * i, bias=c.expert_bias,
+                                         dtype=dtype, rngs=rngs)
+        self.down_proj = ExpertLinear(e, i, c.hidden_size, bias=c.expert_bias, dtype=dtype,
+                                      rngs=rngs)
+        self.config = c
+
+    def activation(self, gate_up):
+        """[M, 2I] (gate | up) -> [M, I]."""
+        c = self.config
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        if c.activation == "gpt_oss":  # computed in the activation dtype, as HF does
+            gate = jnp.minimum(gate, c.swiglu_limit)
+            up = jnp.clip(up, -c.swiglu_limit, c.swiglu_limit)
+            return (up + 1) * (gate * jax.nn.sigmoid(gate * c.swiglu_alpha))
+        return jax.nn.silu(gate) * up
+
+    def __call__(self, x_sorted, group_sizes, row_expert):
+        h = self.gate_up_proj(x_sorted, group_sizes, row_expert)
+        return self.down_proj(self.activation(h), group_sizes, row_expert)
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.router = Linear(c.hidden_size, c.num_experts, bias=c.router_bias, dtype=dtype,
+                             rngs=rngs)
+        self.experts = Experts(c, dtype=dtype, rngs=rngs)
+        if c.shared_expert_intermediate_size:
+            self.shared_expert = MLP(c, intermediate_size=c.shared_expert_intermediate_size,
+                                     dtype=dtype, rngs=rngs)
+            self.shared_expert_gate = Linear(c.hidden_size, 1, bias=False, dtype=dtype,
+                                             rngs=rngs)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        self.config = c
+
+    def __call__(self, x, live=None):
+        """x [T, H], live [T] bool (None: all) -> [T, H].
+
+        Padding tokens (not `live`) are routed nowhere: their pairs sort last, past every
+        group, so they make no expert's weights read (a padded decode batch of one token
+        still reads only its k experts); their outputs are meaningless.
+        """
+        c = self.config
+        T, k = x.shape[0], c.num_experts_per_tok
+        weights, experts = route(self.router(x).astype(jnp.float32), k, c.norm_topk_prob)
+        if live is not None:
+            experts = jnp.where(live[:, None], experts, c.num_experts)
+        # Sort the T*k (token, expert) pairs by expert: row r of the grouped matmuls is pair
+        # order[r], i.e. token order[r] // k.
+        flat_experts = experts.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)
+        row_expert = jnp.minimum(flat_experts[order], c.num_experts - 1)
+        group_sizes = jnp.zeros((c.num_experts,), jnp.int32).at[flat_experts].add(
+            1, mode="drop")
+        y_sorted = self.experts(x[order // k], group_sizes, row_expert)
+        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(T, k, -1)
+        out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights)
+        if self.shared_expert is not None:
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
+            out = out + gate * self.shared_expert(x).astype(jnp.float32)
+        return out.astype(x.dtype)

@@ -1,0 +1,380 @@
+"""Grouped matmul over MoE experts for Hopper, as a Mosaic GPU kernel (`plgpu.kernel`).
+
+Same contract as `jaxinfer.grouped_matmul.grouped_matmul_reference` (the spec):
+x [M, K] bf16/f16 rows sorted by expert, W [E, N, K] (K-major, same dtype as x),
+group_sizes [E] int32 (dynamic, summing to at most M) -> y [M, N] in x.dtype,
+accumulated in float32; rows at or past sum(group_sizes) come out as zeros.
+
+Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A):
+- Work items, built by XLA from group_sizes on the device (a prefix sum over E + 1
+  groups, the last one being the zero tail): one item per (group, window of
+  `max_rows` rows, block of 64 * compute_wgs weight rows). A group's windows start at
+  its first row rounded down to a multiple of 8 (the TMA of an 8-row-tiled shared
+  buffer addresses x in whole tiles: an unaligned start reads the wrong rows on the
+  GPU, though interpret mode slices exactly). An expert with no rows has no item, so
+  it costs no weight reads; an expert whose rows fit one window has one item per N
+  block, so its weight is streamed once. The table has a static length (about
+  M / max_rows + E + 2 windows, times the N blocks); a scalar counts its live prefix.
+- Persistent grid of one CTA per SM; CTA c takes items c, c + grid, ... Each CTA has
+  one producer warpgroup and `compute_wgs` consumer warpgroups sharing a
+  `num_stages`-deep ring of shared-memory slots that runs on across items (the next
+  item's loads overlap this item's last MMAs and its store).
+- Operands swap: a consumer's weight rows (64, wgmma M) are the A operand, straight
+  from shared memory; the item's token rows are B (wgmma N). The B width is chosen
+  per item among the powers of two 8..max_rows (one code path each, picked at run
+  time): the narrowest that holds the window up to the item's last row, so a decode
+  expert with 3 rows mostly loads 8 token rows and runs an N=8 MMA, and a full window
+  of a prefill runs N=max_rows. A window that would run past x slides back (x is
+  padded only to a multiple of 8 rows, or to max_rows when M is smaller).
+- Per K step of 64 * k_pieces columns the producer issues, per 64-column piece, one
+  TMA per consumer for its 64 x 64 weight box (128-byte swizzle) and one for the
+  token rows. A consumer waits for the slot, issues its wgmmas, keeps one step of
+  MMAs in flight and hands the previous step's slot back.
+- Epilogue: the float32 accumulator [64 features, width tokens] is cast and stored
+  transposed into shared memory ([tokens, 64], row-major), then TMA-stored to
+  y[row_start:row_start + rows, n0:n0 + 64]. TMA boxes have static shapes, so the
+  `rows` (dynamic) are written as a ladder of power-of-two row boxes (the binary digits
+  of `rows`): rows of other experts inside the tile are never written. Zero-tail items
+  load nothing and store zeros the same way.
+
+Why one kernel for every regime: with B up to 256 token rows a CTA tile is
+[128 features x 256 tokens] (two consumers, 64 x 256 accumulators each), the usual
+Hopper GEMM tile, so prefill (thousands of rows per expert) runs the same code as
+decode (a few rows per expert); `choose_config` picks max_rows from the expected rows
+per expert, and shared-memory depth from what fits.
+
+On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode (tests).
+Constraints (else `unsupported_reason`): float weights in x's dtype, bf16 or f16;
+N and K multiples of 64. Quantized expert weights go to the reference (XLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxinfer.backend import mosaic_interpret_params
+from jaxinfer.quant import QuantizedWeight
+
+ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
+PIECE = 64  # K columns per TMA box: 128 bytes of bf16, one 128-byte swizzle row
+MIN_WIDTH = 8  # the narrowest wgmma N
+MAX_WIDTH = 256  # the widest wgmma N
+NUM_SMS = 132  # H100 SXM (the persistent grid on a GPU that does not say)
+INTERPRET_CTAS = 4  # persistent CTAs in interpret mode (each one is simulated)
+SMEM_BYTES = 227 * 1024
+# Item table rows (fields), one column per work item.
+GROUP, N_BLOCK, ROW_START, NUM_ROWS, WIDTH, LOAD_START = range(6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    max_rows: int = 16  # widest token tile (wgmma N): a power of two, 8..256
+    compute_wgs: int = 2  # consumer warpgroups, each owning 64 weight rows of the N block
+    k_pieces: int = 1  # 64-column K pieces per pipeline step
+    num_stages: int = 4  # ring slots
+    num_ctas: int | None = None  # persistent CTAs (None: the SM count; a few in interpret mode)
+
+    @property
+    def block_n(self) -> int:
+        return ROWS * self.compute_wgs
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The B widths an item may run with, narrowest first."""
+        out, w = [], MIN_WIDTH
+        while w <= self.max_rows:
+            out.append(w)
+            w *= 2
+        return tuple(out)
+
+
+def _pow2_at_least(v: float) -> int:
+    p = 1
+    while p < v:
+        p *= 2
+    return p
+
+
+def smem_bytes(cfg: Config, itemsize: int = 2) -> int:
+    ring = cfg.num_stages * cfg.k_pieces * (cfg.block_n + cfg.max_rows) * PIECE * itemsize
+    out = cfg.compute_wgs * cfg.max_rows * ROWS * itemsize
+    return ring + out + 1024  # barriers and alignment
+
+
+def num_sms() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
+
+
+def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS) -> Config:
+    """Static heuristics from the shapes (group sizes are only known on the device).
+
+    max_rows: about three times the mean rows per expert (M / E), so that even a busy
+    expert of a decode step fits one window (its weight streamed once), at least 16 and
+    at most 128 (128 x 128 CTA tiles), or 256 when experts average 512 rows or more
+    (128 x 256 tiles; on an H100 256 ran Mixtral's 4096-token step 1.5x faster than 128,
+    and Qwen3's, with 256 rows an expert, 12% slower: half-empty last windows). Never
+    wider than x (a decode step of 8 rows: 8). One consumer warpgroup
+    (64-row N blocks) when two would leave SMs idle: the few-token steps, where at
+    most min(M, E) experts are hit. Two K pieces per step while the token tile is
+    narrow (32 KB of weights per step keeps enough bytes in flight per SM); then as
+    many ring slots as fit, up to 8.
+    """
+    mean_rows = m / e
+    max_rows = 256 if mean_rows >= 512 else min(128, max(16, _pow2_at_least(3 * mean_rows)))
+    max_rows = min(max_rows, max(MIN_WIDTH, _pow2_at_least(m)))  # no wider than x
+    hit = min(m, e)
+    wgs = 2 if n % (2 * ROWS) == 0 and hit * (n // (2 * ROWS)) >= sms else 1
+    pieces = 2 if max_rows <= 32 and k % (2 * PIECE) == 0 else 1
+    cfg = Config(max_rows=max_rows, compute_wgs=wgs, k_pieces=pieces, num_stages=8)
+    while smem_bytes(cfg) > SMEM_BYTES and cfg.num_stages > 2:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
+
+
+def _swizzled():
+    """bf16/f16 64-column pieces: 8-row tiles with the 128-byte swizzle wgmma reads."""
+    return (plgpu.TilingTransform((8, PIECE)), plgpu.SwizzleTransform(128))
+
+
+def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cfg: Config):
+    """(items [6, capacity] int32, count [1] int32): the work items of the module docstring.
+
+    Group E (one past the experts) is the zero tail: the rows from sum(group_sizes) to M.
+    A group's row windows start at its first row rounded down to a multiple of 8: the TMA
+    of a tiled shared-memory buffer addresses x in whole 8-row tiles, so a token window
+    must start on one (the first window of a group then holds up to 7 rows of the group
+    before it, which are not stored).
+
+    Items run group by group, N block by N block, window minor: the CTAs working at one
+    time share a few weight blocks (each read from HBM about once, then from L2 by the
+    group's other windows) and the group's rows. Elementwise ops and gathers from [E + 1]
+    arrays only (no searchsorted, whose loop is a chain of small kernels on the GPU), so
+    XLA fuses the table into a few kernels.
+    """
+    e = group_sizes.shape[0]
+    tile = cfg.max_rows
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    g_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])  # [E + 1]
+    g_end = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    g_base = g_start // MIN_WIDTH * MIN_WIDTH
+    windows = jnp.where(g_end > g_start, -(-(g_end - g_base) // tile), 0)
+    item_end = jnp.cumsum(windows * n_blocks)
+    item_begin = item_end - windows * n_blocks
+    capacity = ((m + (MIN_WIDTH - 1) * (e + 1)) // tile + e + 2) * n_blocks
+    i = jnp.arange(capacity, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.sum(item_end[None, :] <= i[:, None], axis=1, dtype=jnp.int32), e)
+    local = i - item_begin[grp]
+    per_block = jnp.maximum(windows[grp], 1)
+    n_block, window_index = local // per_block, local % per_block
+    window = g_base[grp] + window_index * tile  # 8-row aligned
+    row_start = jnp.maximum(window, g_start[grp])
+    rows = jnp.clip(jnp.minimum(window + tile, g_end[grp]) - row_start, 0, tile)
+    needed = row_start - window + rows  # window rows up to the item's last row
+    widths = jnp.asarray(cfg.widths, jnp.int32)
+    width = jnp.sum(needed[:, None] > widths[None, :-1], axis=1, dtype=jnp.int32)
+    # A window that would run past x slides back (still aligned: both ends are).
+    load_start = jnp.where(grp < e, jnp.minimum(window, padded_m - widths[width]), row_start)
+    items = jnp.stack([grp, n_block, row_start, rows, width, load_start])
+    return items, item_end[-1:]
+
+
+def _kernel(items_ref, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, ready,
+            free, *, cfg: Config, num_experts: int, steps: int, grid: int):
+    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+    wgs, stages, pieces = cfg.compute_wgs, cfg.num_stages, cfg.k_pieces
+    count = count_ref[0]
+    my_items = jnp.maximum(count - cta + grid - 1, 0) // grid
+
+    def fields(j):
+        i = cta + j * grid
+        return tuple(items_ref[f, i] for f in range(6))
+
+    def advance(g, grp):
+        """The ring position after an item: its steps, if it loaded any."""
+        return g + jnp.where(grp < num_experts, steps, 0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load_tokens(load_start, k0, slot, p, w):
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(load_start, w), pl.ds(k0, PIECE)],
+                                    x_smem.at[slot, p, pl.ds(0, w)], ready.at[slot])
+
+        def item(j, g):
+            grp, n_block, _, _, width, load_start = fields(j)
+
+            @pl.when(grp < num_experts)
+            def _():
+                def step(s, _):
+                    gs = g + s
+                    slot = lax.rem(gs, stages)
+
+                    @pl.when(gs >= stages)
+                    def _():
+                        plgpu.barrier_wait(free.at[slot])
+                    for p in range(pieces):
+                        k0 = pl.multiple_of((s * pieces + p) * PIECE, PIECE)
+                        for c in range(wgs):  # one 64 x 64 box per consumer
+                            row0 = pl.multiple_of((n_block * wgs + c) * ROWS, ROWS)
+                            plgpu.copy_gmem_to_smem(
+                                w_ref.at[grp, pl.ds(row0, ROWS), pl.ds(k0, PIECE)],
+                                w_smem.at[slot, p, c], ready.at[slot])
+                        for wi, w in enumerate(cfg.widths):  # the item's width only
+                            pl.when(width == wi)(functools.partial(
+                                load_tokens, load_start, k0, slot, p, w))
+                    return ()
+
+                lax.fori_loop(0, steps, step, ())
+            return advance(g, grp)
+
+        total = lax.fori_loop(0, my_items, item, jnp.int32(0))
+
+        # Observe the consumers' last hand-backs too: every phase of a barrier is then
+        # waited for by each thread that uses it (interpret mode checks this).
+        def drain(gs, _):
+            plgpu.barrier_wait(free.at[lax.rem(gs, stages)])
+            return ()
+
+        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, ())
+
+    @pl.when(wg < wgs)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        o_tile = o_smem.at[wg]
+
+        def store_rows(row_start, rows, shift, col0):
+            """TMA-stores o_tile[shift:shift + rows] to out[row_start:row_start + rows]:
+            one box per binary digit of rows (boxes have static shapes)."""
+            def store_box(src, dst, box):
+                plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(src, box)],
+                                        out_ref.at[pl.ds(dst, box), pl.ds(col0, ROWS)])
+
+            done, box = 0, cfg.max_rows
+            while box:
+                pl.when((rows & box) != 0)(functools.partial(
+                    store_box, shift + done, row_start + done, box))
+                done = done + (rows & box)
+                box //= 2
+
+        def mma(acc_ref, g, w):
+            def step(s, _):
+                gs = g + s
+                slot = lax.rem(gs, stages)
+                plgpu.barrier_wait(ready.at[slot])
+                for p in range(pieces):
+                    plgpu.wgmma(acc_ref, w_smem.at[slot, p, wg],
+                                x_smem.at[slot, p, pl.ds(0, w)].transpose((1, 0)))
+                # This step's MMAs may still run; the previous step's are done, so its
+                # slot goes back to the producer.
+                plgpu.wgmma_wait(pieces)
+
+                @pl.when(s > 0)
+                def _():
+                    plgpu.barrier_arrive(free.at[lax.rem(gs + stages - 1, stages)])
+                return ()
+
+            lax.fori_loop(0, steps, step, ())
+            return acc_ref[...]
+
+        def item(j, g):
+            grp, n_block, row_start, rows, width, load_start = fields(j)
+            col0 = (n_block * wgs + wg) * ROWS
+
+            @pl.when(grp == num_experts)
+            def _zero_tail():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_tile free again
+                o_tile[...] = jnp.zeros(o_tile.shape, o_tile.dtype)
+                plgpu.commit_smem()
+                store_rows(row_start, rows, 0, col0)
+
+            def expert_item(w):
+                acc = pl.run_scoped(functools.partial(mma, g=g, w=w),
+                                    plgpu.ACC((ROWS, w), jnp.float32))
+                plgpu.barrier_arrive(free.at[lax.rem(g + steps - 1, stages)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_tile free again
+                o_tile.at[pl.ds(0, w)].transpose((1, 0))[...] = acc.astype(o_tile.dtype)
+                plgpu.commit_smem()
+                store_rows(row_start, rows, row_start - load_start, col0)
+
+            for wi, w in enumerate(cfg.widths):  # the item's width only
+                pl.when((grp < num_experts) & (width == wi))(functools.partial(expert_item, w))
+            return advance(g, grp)
+
+        lax.fori_loop(0, my_items, item, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+
+# Jitted so that call sites with the same shapes (a model's layers) share one lowering.
+@functools.partial(jax.jit, static_argnames=("config",))
+def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                        config: Config | None = None) -> jax.Array:
+    """x [M, K], W [E, N, K], group_sizes [E] -> [M, N] (see the module docstring)."""
+    if (reason := unsupported_reason(x, w)) is not None:
+        raise ValueError(f"mosaic grouped matmul: {reason}")
+    m, k = x.shape
+    e, n, _ = w.shape
+    interpret = mosaic_interpret_params()
+    cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS)
+    # A consumer hands a slot back only after issuing the next step: two slots at least.
+    if (cfg.max_rows not in (8, 16, 32, 64, 128, 256) or cfg.compute_wgs not in (1, 2)
+            or cfg.num_stages < 2
+            or n % cfg.block_n or k % (cfg.k_pieces * PIECE)):
+        raise ValueError(f"mosaic grouped matmul: config {cfg} does not tile "
+                         f"M={m} N={n} K={k}")
+    if smem_bytes(cfg, x.dtype.itemsize) > SMEM_BYTES:
+        raise ValueError(f"mosaic grouped matmul: config {cfg} needs "
+                         f"{smem_bytes(cfg, x.dtype.itemsize)} bytes of shared memory")
+    steps = k // (cfg.k_pieces * PIECE)
+    n_blocks = n // cfg.block_n
+    # Every token window lies inside x, in whole 8-row tiles.
+    padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_rows)
+    x_in = jnp.pad(x, ((0, padded_m - m), (0, 0))) if padded_m > m else x
+    items, count = build_items(group_sizes, m, padded_m, n_blocks, cfg)
+    capacity = items.shape[1]
+    default_ctas = INTERPRET_CTAS if interpret is not None else num_sms()
+    grid = max(1, min(cfg.num_ctas or default_ctas, capacity))
+
+    stages, pieces, wgs = cfg.num_stages, cfg.k_pieces, cfg.compute_wgs
+    scratch = [
+        plgpu.SMEM((stages, pieces, wgs, ROWS, PIECE), w.dtype, transforms=_swizzled()),
+        plgpu.SMEM((stages, pieces, cfg.max_rows, PIECE), x.dtype, transforms=_swizzled()),
+        plgpu.SMEM((wgs, cfg.max_rows, ROWS), x.dtype),
+        # ready: per piece, a weight box per consumer and the token rows
+        plgpu.Barrier(num_arrivals=(wgs + 1) * pieces, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
+    ]
+    kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+        scratch_types=scratch,
+        grid=(grid,), grid_names=("cta",),
+        num_threads=wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )(items, count, x_in, w)
+
+
+def unsupported_reason(x: jax.Array, w) -> str | None:
+    """Why this kernel cannot take these inputs (None if it can)."""
+    if isinstance(w, QuantizedWeight):
+        return (f"{w.kind} expert weights: the Mosaic GPU grouped matmul takes float "
+                "weights only (quantized experts run the XLA reference)")
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"x dtype {x.dtype}: needs bfloat16 or float16"
+    if w.dtype != x.dtype:
+        return f"weights in {w.dtype}, x in {x.dtype}: needs one dtype"
+    _, n, k = w.shape
+    if n % ROWS or k % PIECE:
+        return f"N={n} and K={k} must be multiples of {ROWS} and {PIECE}"
+    return None

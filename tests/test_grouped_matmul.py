@@ -1,0 +1,84 @@
+"""Every `grouped_matmul` implementation against an independent float64 oracle (cases in
+grouped_cases.py): random group sizes, empty experts, all rows on one expert, rows past
+the groups' total, float and quantized expert weights.
+
+Kernels run in interpret mode on the CPU (Mosaic GPU: uninitialised memory reads as
+NaN, so an unwritten output element fails) and natively under `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from grouped_cases import CASES, Case, build, oracle, stored_weights
+
+from jaxinfer.grouped_matmul import grouped_matmul
+from jaxinfer.quant import quantize
+
+gpu = pytest.mark.gpu
+BACKENDS = [
+    ("reference", "cpu"), pytest.param("reference", "gpu", marks=gpu),
+    ("mosaic_gpu", "cpu"), pytest.param("mosaic_gpu", "gpu", marks=gpu),
+    ("pallas_tpu", "cpu"),
+]
+KERNEL_MODULES = {"mosaic_gpu": "jaxinfer.mosaic.grouped_matmul",
+                  "pallas_tpu": "jaxinfer.pallas_kernels.grouped_matmul"}
+
+
+def run(case: Case, implementation: str, platform: str):
+    b = build(case)
+    with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
+        w = (quantize(b["w"], case.fmt) if case.fmt
+             else jnp.asarray(b["w"], case.dtype))
+        x = jnp.asarray(b["x"], case.dtype)
+        sizes = jnp.asarray(b["sizes"])
+        if implementation != "reference":
+            module = importlib.import_module(KERNEL_MODULES[implementation])
+            reason = module.unsupported_reason(x, w)
+            if reason is not None:
+                # A forced kernel says why it cannot; the default dispatch falls back.
+                with pytest.raises(ValueError, match=re.escape(reason)):
+                    grouped_matmul(x, w, sizes, implementation=implementation)
+                implementation = None
+        fn = jax.jit(functools.partial(grouped_matmul, implementation=implementation))
+        y = fn(x, w, sizes)
+    assert y.dtype == x.dtype and y.shape == (case.m, case.n)
+    return b, w, np.asarray(y.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("implementation,platform", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_grouped_matmul_matches_oracle(name, implementation, platform):
+    case = CASES[name]
+    b, w, y = run(case, implementation, platform)
+    want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
+    err = np.abs(y - want)
+    assert np.isfinite(y).all(), "non-finite outputs (unwritten rows?)"
+    worst = np.unravel_index(np.argmax(err - allowance), err.shape)
+    assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
+
+
+def test_group_sizes_of_every_kind_are_drawn():
+    """The case generator itself: empty experts, one expert, a short total."""
+    rng = np.random.default_rng()
+    from grouped_cases import group_sizes
+    one = group_sizes(Case(30, 6, 128, 128, "one"), rng)
+    assert sorted(one.tolist())[-1] == 30 and (one > 0).sum() == 1
+    empty = group_sizes(Case(30, 6, 128, 128, "empty"), rng)
+    assert empty.sum() == 30 and (empty == 0).sum() >= 3
+    partial = group_sizes(Case(30, 6, 128, 128, "partial"), rng)
+    assert partial.sum() < 30
+
+
+def test_shape_errors_name_the_mismatch():
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="64 features, the weights 32"):
+        grouped_matmul(x, jnp.ones((2, 16, 32), jnp.bfloat16), jnp.array([2, 2]))
+    with pytest.raises(ValueError, match=r"group_sizes \(3,\), expected \(2,\)"):
+        grouped_matmul(x, jnp.ones((2, 16, 64), jnp.bfloat16), jnp.array([2, 2, 0]))

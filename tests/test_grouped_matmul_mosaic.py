@@ -1,0 +1,92 @@
+"""Checks specific to the Mosaic GPU grouped matmul (`mosaic/grouped_matmul.py`): the work
+item table, and configs that the shared cases (test_grouped_matmul.py) do not reach: group
+starts off the 8-row grid, experts spanning several row windows, several items per CTA
+(the ring running on across items), every B width, two consumers, two K pieces a step.
+
+On the CPU the kernel runs in interpret mode (shapes kept small: ~1-3 s a case); the same
+cases run natively under `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.grouped_matmul import grouped_matmul_reference
+from jaxinfer.mosaic.grouped_matmul import (
+    MIN_WIDTH,
+    SMEM_BYTES,
+    Config,
+    build_items,
+    choose_config,
+    grouped_matmul_mgpu,
+    smem_bytes,
+)
+
+gpu = pytest.mark.gpu
+
+# (name, M, E, N, K, group sizes, config)
+CASES = [
+    # Group starts off the 8-row grid, one CTA: every item runs through one ring.
+    ("unaligned_one_cta", 40, 5, 128, 128, [3, 9, 1, 14, 6],
+     Config(max_rows=16, compute_wgs=1, k_pieces=1, num_stages=3, num_ctas=1)),
+    # An expert over several windows, widths 8..32, a zero tail, two consumers.
+    ("windows_and_tail", 72, 3, 128, 128, [45, 0, 20],
+     Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2)),
+    # Two K pieces per step, fewer ring slots than steps, M below max_rows (padded x).
+    ("pieces_small_m", 12, 4, 128, 256, [0, 5, 7, 0],
+     Config(max_rows=16, compute_wgs=1, k_pieces=2, num_stages=2, num_ctas=3)),
+]
+
+
+def run_case(m, e, n, k, sizes, cfg, platform):
+    rng = np.random.default_rng(0)
+    with jax.default_device(jax.devices(platform)[0]):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.bfloat16)
+        gs = jnp.asarray(sizes, jnp.int32)
+        got = np.asarray(grouped_matmul_mgpu(x, w, gs, config=cfg).astype(jnp.float32))
+        want = np.asarray(grouped_matmul_reference(x, w, gs).astype(jnp.float32))
+    assert np.isfinite(got).all(), "unwritten output rows"
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    assert (got[sum(sizes):] == 0).all(), "rows past the groups must be exact zeros"
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name,m,e,n,k,sizes,cfg", CASES, ids=[c[0] for c in CASES])
+def test_configs_match_reference(name, m, e, n, k, sizes, cfg, platform):
+    run_case(m, e, n, k, sizes, cfg, platform)
+
+
+@pytest.mark.parametrize("sizes", [[3, 9, 1, 14, 6], [0, 0, 33, 0, 0], [8, 8, 8, 8, 0],
+                                   [1, 0, 2, 0, 40]])
+@pytest.mark.parametrize("max_rows", [8, 16, 32])
+def test_items_cover_each_row_once(sizes, max_rows):
+    """The table: windows on the 8-row grid and inside x, each row of each N block in
+    exactly one item of its own group (the tail as group E), and the item's rows fit its
+    B width from the window start."""
+    m, e, n_blocks = 48, len(sizes), 3
+    cfg = Config(max_rows=max_rows)
+    padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, max_rows)
+    items, count = build_items(jnp.asarray(sizes, jnp.int32), m, padded_m, n_blocks, cfg)
+    items, count = np.asarray(items), int(np.asarray(count)[0])
+    owner = np.repeat(np.arange(e + 1), sizes + [m - sum(sizes)])
+    seen = np.zeros((m, n_blocks), int)
+    for grp, n_block, row_start, rows, width, load_start in items[:, :count].T:
+        w = cfg.widths[width]
+        assert rows >= 1 and (owner[row_start:row_start + rows] == grp).all()
+        if grp < e:
+            assert load_start % MIN_WIDTH == 0 and load_start + w <= padded_m
+            assert load_start <= row_start and row_start + rows <= load_start + w
+        seen[row_start:row_start + rows, n_block] += 1
+    assert (seen == 1).all()
+
+
+def test_choose_config_fits_shared_memory():
+    for m, e, n, k in [(8, 128, 1536, 2048), (512, 128, 2048, 768), (32768, 128, 1536, 2048),
+                       (2, 8, 28672, 4096), (8192, 8, 4096, 14336)]:
+        cfg = choose_config(m, e, n, k)
+        assert n % cfg.block_n == 0 and k % (64 * cfg.k_pieces) == 0
+        assert smem_bytes(cfg) <= SMEM_BYTES and cfg.num_stages >= 2

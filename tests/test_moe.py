@@ -1,0 +1,141 @@
+"""MoE specifics beyond the parity tests (test_parity.py runs every MoE family against HF):
+gpt-oss's MXFP4 expert weights loaded from safetensors, converted MoE checkpoints (float,
+MXFP4 and `--quantize`d experts), and the router's two weightings.
+
+MXFP4 checkpoints are written here from a tiny random gpt-oss by this file's own packer
+(OCP microscaling: 32 e2m1 values per e8m0 power-of-two scale); HF transformers
+dequantizes them on the CPU by its own code, so the two sides share nothing but the file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.numpy import load_file, save_file
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.cli.main import cli
+from jaxinfer.models.moe import route
+
+from .conftest import VOCAB
+
+
+def _pack_mxfp4(w_out_in: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """W [E, N, K] float -> (blocks [E, N, K/32, 16] uint8, scales [E, N, K/32] uint8)."""
+    e, n, k = w_out_in.shape
+    groups = w_out_in.reshape(e, n, k // 32, 32).astype(np.float64)
+    absmax = np.abs(groups).max(-1)
+    exp = np.where(absmax > 0, np.ceil(np.log2(np.maximum(absmax, 1e-30) / 6.0)), 0)
+    codes = (groups / 2.0 ** exp[..., None]).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    codes = codes.reshape(e, n, k // 32, 16, 2)
+    blocks = (codes[..., 0] & 0x0F) | (codes[..., 1] << 4)
+    return blocks.astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def _mxfp4_gpt_oss(src, dst):
+    """A copy of the HF gpt-oss checkpoint `src` with its expert weights in MXFP4."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = np.swapaxes(tensors.pop(name).astype(np.float32), 1, 2)  # [E, in, out] -> out-major
+        tensors[name + "_blocks"], tensors[name + "_scales"] = _pack_mxfp4(w)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["router", "attn", "lm_head",
+                                                                "embed_tokens"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _hf_logits(path, prompt):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float().numpy()
+
+
+def test_gpt_oss_mxfp4_experts_match_hf_and_survive_conversion(hf_models, tmp_path):
+    src = _mxfp4_gpt_oss(hf_models["gpt_oss"], tmp_path / "mxfp4")
+    prompt = np.random.default_rng().integers(2, VOCAB, 40).tolist()  # > the 16-token window
+    ref = _hf_logits(src, prompt)
+
+    direct = LLM(src, dtype="float32")
+    experts = direct.model.layers[0].mlp.experts.gate_up_proj
+    assert experts.quantized and experts.quantized_weight().kind == "fp4"
+    ours = direct.logits([prompt])[0]
+    assert np.abs(ours - ref).max() <= 1e-4
+
+    out = tmp_path / "ckpt"
+    result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "model_config.json").read_text())["quantization"] == "mxfp4"
+    np.testing.assert_array_equal(LLM(out).logits([prompt])[0], ours)
+
+
+@pytest.mark.parametrize("fmt, tolerance", [("int8", 0.02), ("mxfp4", 0.15)])
+def test_quantized_experts_stay_close_to_float(hf_models, tmp_path, fmt, tolerance):
+    """`convert --quantize` quantizes the experts too; logits move by quantization noise only,
+    and the greedy path of a batch equals each prompt run alone."""
+    src = hf_models["qwen3_moe"]
+    out = tmp_path / "q"
+    result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--dtype", "float32",
+                                      "--quantize", fmt])
+    assert result.exit_code == 0, result.output
+    llm, ref = LLM(out), LLM(src, dtype="float32")
+    experts = llm.model.layers[0].mlp.experts.down_proj
+    assert experts.quantized
+    prompt = np.random.default_rng().integers(2, VOCAB, 24).tolist()
+    diff = np.abs(llm.logits([prompt])[0] - ref.logits([prompt])[0]).max()
+    assert 0 < diff <= tolerance
+    prompts = [prompt, prompt[:7]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_router_weightings():
+    logits = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (5, 8))
+    x = np.asarray(logits, np.float64)
+    top = np.argsort(-x, axis=1)[:, :3]
+    full = np.exp(x - x.max(1, keepdims=True))
+    full /= full.sum(1, keepdims=True)
+    chosen = np.take_along_axis(full, top, 1)
+    for norm, want in [(True, chosen / chosen.sum(1, keepdims=True)), (False, chosen)]:
+        weights, experts = route(logits, 3, norm)
+        np.testing.assert_array_equal(np.asarray(experts), top)
+        np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
+    assert route(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32), 3, True)[0].dtype \
+        == jnp.float32
+
+
+def test_padding_tokens_route_nowhere(monkeypatch):
+    """A padded batch's dead tokens hit no expert (a batch-1 decode reads only k experts);
+    live tokens' outputs do not depend on the padding."""
+    from flax import nnx
+
+    import jaxinfer.models.moe as moe
+    from jaxinfer.presets import preset_config
+
+    config = preset_config("tiny-moe")
+    layer = moe.MoE(config, dtype=jnp.float32, rngs=nnx.Rngs(np.random.randint(1 << 30)))
+    seen = []
+    real = moe.grouped_matmul
+    monkeypatch.setattr(moe, "grouped_matmul",
+                        lambda x, w, sizes: seen.append(int(sizes.sum())) or real(x, w, sizes))
+    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (8, config.hidden_size))
+    live = jnp.arange(8) < 3
+    padded = layer(x, live)
+    assert seen == [3 * config.num_experts_per_tok] * 2  # gate_up and down
+    np.testing.assert_allclose(np.asarray(padded[:3]), np.asarray(layer(x[:3])), rtol=1e-6,
+                               atol=1e-6)
