@@ -7,8 +7,8 @@ Per layer, for T tokens x [T, H], E experts, top-k routing:
      and count group_sizes [E];
   3. one `grouped_matmul` per projection over all experts: gate_up [E, 2I, H] (the gate
      rows, then the up rows) -> [T*k, 2I]; the activation; down [E, H, I] -> [T*k, H];
-  4. scatter the rows back to (token, slot) order and sum each token's k rows weighted by
-     its router weights. Qwen2-MoE adds a shared expert scaled by sigmoid(gate(x)).
+  4. scatter-add each row, times its router weight, into its token. Qwen2-MoE adds a
+     shared expert scaled by sigmoid(gate(x)).
 
 Checkpoint keys inside `layers.{i}.mlp`: router.weight [E, H] (+ router.bias),
 experts.gate_up_proj.weight [E, 2I, H], experts.down_proj.weight [E, H, I] (+ .bias
@@ -118,11 +118,17 @@ class MoE(nnx.Module):
         flat_experts = experts.reshape(-1)
         order = jnp.argsort(flat_experts, stable=True)
         row_expert = jnp.minimum(flat_experts[order], c.num_experts - 1)
-        group_sizes = jnp.zeros((c.num_experts,), jnp.int32).at[flat_experts].add(
-            1, mode="drop")
-        y_sorted = self.experts(x[order // k], group_sizes, row_expert)
-        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(T, k, -1)
-        out = jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights)
+        # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
+        group_sizes = jnp.sum(flat_experts[:, None] == jnp.arange(c.num_experts)[None, :],
+                              axis=0, dtype=jnp.int32)
+        token = order // k
+        y_sorted = self.experts(x[token], group_sizes, row_expert)
+        # Combine: each row, scaled by its router weight, adds into its token (one
+        # scatter-add; padding pairs carry weight 0).
+        row_weight = jnp.where(flat_experts[order] < c.num_experts,
+                               weights.reshape(-1)[order], 0.0)
+        out = jnp.zeros((T, y_sorted.shape[1]), jnp.float32).at[token].add(
+            y_sorted.astype(jnp.float32) * row_weight[:, None])
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
             out = out + gate * self.shared_expert(x).astype(jnp.float32)

@@ -76,12 +76,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer.backend import tpu_interpret_params
 from jaxinfer.pallas_kernels.quantized_matmul import (  # the same N / K blocking rules
-    LANES,
     _block_k,
     _block_n,
     _on_tpu,
     _round_up,
     _sublanes,
+    blocks_reason,
 )
 from jaxinfer.quant import FP8_DTYPE, QuantizedWeight
 from jaxinfer.quantized_matmul import quantize_activations_fp8
@@ -150,16 +150,7 @@ def _reason(x: jax.Array, w, bm: int | None, bn: int | None, bk: int | None) -> 
         return f"float weights must have a floating dtype, got {jnp.dtype(w.dtype).name}"
     if bm is not None and bm % _sublanes(_row_dtype(x, w)):
         return f"block_m={bm} is not a multiple of the sublane tile"
-    if bn is None:
-        return f"N={n} is not a multiple of 128"
-    if n % bn or (bn % LANES and bn != n):
-        return f"block_n={bn} must divide N={n} and be a multiple of 128"
-    groups = f" and of the group size {g}" if g < k else ""
-    if bk is None:
-        return f"K={k} has no default block that divides it and is a multiple of 128{groups}"
-    if k % bk or (bk % LANES and bk != k) or (g < k and bk % g):
-        return f"block_k={bk} must divide K={k} and be a multiple of 128{groups}"
-    return None
+    return blocks_reason(n, k, g, bn, bk)
 
 
 def unsupported_reason(x: jax.Array, w) -> str | None:

@@ -131,6 +131,11 @@ def _reason(x: jax.Array, w: QuantizedWeight, bm: int | None, bn: int | None,
         return "W8A8 needs fp8 weights with per-channel scales and no offsets"
     if bm is not None and bm % _sublanes(FP8_DTYPE if w.activations else x.dtype):
         return f"block_m={bm} is not a multiple of the sublane tile"
+    return blocks_reason(n, k, g, bn, bk)
+
+
+def blocks_reason(n: int, k: int, g: int, bn: int | None, bk: int | None) -> str | None:
+    """Why blocks (bn, bk) cannot tile a weight [N, K] with groups of g along K, or None."""
     if bn is None:
         return f"N={n} is not a multiple of 128"
     if n % bn or (bn % LANES and bn != n):
