@@ -108,8 +108,8 @@ class ExpertStacks:
             if stack is None:
                 return []
             need = self.num_experts * (2 if stack == "gate_up_proj" else 1)
-            parts = self._put(prefix + stack + ".weight", (half, int(em.group(1))), array)
-            if len(parts) < need:
+            parts = self._put(prefix + stack + ".weight", (half, int(em.group(1))), array, need)
+            if parts is None:
                 return []
             halves = [np.stack([parts[(h, e)] for e in range(self.num_experts)])
                       for h in sorted({h for h, _ in parts})]
@@ -123,8 +123,8 @@ class ExpertStacks:
             if suffix == "":  # bf16: [E, in, out] -> [E, out, in]
                 w = np.swapaxes(array, 1, 2)
                 return [(prefix + stack + ".weight", _deinterleave(w, 1) if gate_up else w)]
-            parts = self._put(prefix + stack + ".weight", suffix, array)
-            if len(parts) < 2:
+            parts = self._put(prefix + stack + ".weight", suffix, array, need=2)
+            if parts is None:
                 return []
             w = mxfp4_weight(parts["_blocks"], parts["_scales"])
             if gate_up:
@@ -132,10 +132,19 @@ class ExpertStacks:
             return [(prefix + stack + ".weight", w)]
         return []
 
-    def _put(self, key: str, part, array) -> dict:
+    @staticmethod
+    def holds(name: str) -> bool:
+        """Whether HF tensor `name` is part of an expert stack."""
+        m = _LAYER_RE.fullmatch(name)
+        return m is not None and bool(_EXPERT_RE.fullmatch(m.group(2))
+                                      or _FUSED_EXPERTS.fullmatch(m.group(2)))
+
+    def _put(self, key: str, part, array, need: int) -> dict | None:
+        """Adds a part of stack `key`; once it has `need` parts, removes them from the
+        buffer (which holds only incomplete stacks) and returns them, else None."""
         parts = self.parts.setdefault(key, {})
         parts[part] = array
-        return parts
+        return self.parts.pop(key) if len(parts) >= need else None
 
 
 class HFSource:
@@ -189,7 +198,7 @@ class HFSource:
                         key = hf_key(name)
                         if key is not None:
                             yield key, f.get_tensor(name), file.name
-                        else:
+                        elif stacks.holds(name):
                             for key, stack in stacks.add(name, f.get_tensor(name)):
                                 if isinstance(stack, QuantizedWeight) and not native:
                                     stack = np.asarray(dequantize(stack))
