@@ -82,6 +82,7 @@ from jaxinfer.pallas_kernels.quantized_matmul import (  # the same N / K blockin
     _round_up,
     _sublanes,
     blocks_reason,
+    dequant_dot,
 )
 from jaxinfer.quant import FP8_DTYPE, QuantizedWeight
 from jaxinfer.quantized_matmul import quantize_activations_fp8
@@ -230,22 +231,10 @@ def _kernel(out_tile_ref, in_tile_ref, expert_ref, rows_ref, *refs, quantized: b
 
     @pl.when(live)
     def _():
-        x = x_ref[...]
-        w = w_ref[...]
-        if not w8a8:
-            w = w.astype(x.dtype)
-        width = x.shape[1] if (per_channel or not quantized) else group
-        partial = None
-        for t in range(x.shape[1] // width):
-            x_t = x[:, t * width:(t + 1) * width]
-            d = _dot_nt(x_t, w[:, t * width:(t + 1) * width])
-            if scale_per_step:
-                d = d * s_ref[t:t + 1, :]
-            if has_offsets:
-                x_sum = jnp.sum(x_t.astype(jnp.float32), axis=1, keepdims=True)
-                d = d + x_sum * o_ref[t:t + 1, :]
-            partial = d if partial is None else partial + d
-        acc_ref[...] += partial
+        acc_ref[...] += dequant_dot(
+            x_ref[...], w_ref[...], s_ref, o_ref,
+            width=x_ref.shape[1] if (per_channel or not quantized) else group,
+            scale_per_step=scale_per_step, w8a8=w8a8, dot=_dot_nt)
 
     @pl.when(last_k & live)
     def _():

@@ -155,6 +155,29 @@ def unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
     return _reason(x, w, None, _block_n(n, on_tpu), _block_k(k, w.group_size, on_tpu))
 
 
+def dequant_dot(x, w, s_ref, o_ref, *, width: int, scale_per_step: bool, w8a8: bool,
+                dot=dot_nt) -> jax.Array:
+    """x [bm, bk] . W [bn, bk]^T -> float32 [bm, bn] for one K block of stored values w.
+
+    Per `width`-column unit (a quantization group, or the whole block): the dot of x with
+    the values (cast to x's dtype unless W8A8), times the unit's scale row s_ref[t] when
+    `scale_per_step`, plus x summed over the unit times its offset row o_ref[t] (o_ref
+    None: no offsets). Scales touch float32 partial products, never the weights.
+    """
+    if not w8a8:
+        w = w.astype(x.dtype)
+    partial = None
+    for t in range(x.shape[1] // width):
+        x_t = x[:, t * width:(t + 1) * width]
+        d = dot(x_t, w[:, t * width:(t + 1) * width])
+        if scale_per_step:
+            d = d * s_ref[t:t + 1, :]
+        if o_ref is not None:
+            d = d + jnp.sum(x_t.astype(jnp.float32), axis=1, keepdims=True) * o_ref[t:t + 1, :]
+        partial = d if partial is None else partial + d
+    return partial
+
+
 def _kernel(*refs, group: int, per_channel: bool, has_offsets: bool, w8a8: bool):
     """One (i, j, k) step; see the module docstring."""
     x_ref, w_ref, s_ref, *refs = refs  # [bm, bk], [bn, bk], [bk / g or 1, bn]
@@ -167,23 +190,11 @@ def _kernel(*refs, group: int, per_channel: bool, has_offsets: bool, w8a8: bool)
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)  # scratch starts as garbage (NaN in interpret)
 
-    x = x_ref[...]
-    w = w_ref[...]
-    if not w8a8:
-        w = w.astype(x.dtype)
     # Per channel, the scale is applied once at the end unless offsets force per-step units.
     scale_per_step = not per_channel or has_offsets
-    width = x.shape[1] if per_channel else group
-    partial = None
-    for t in range(x.shape[1] // width):
-        x_t = x[:, t * width:(t + 1) * width]
-        d = dot_nt(x_t, w[:, t * width:(t + 1) * width])
-        if scale_per_step:
-            d = d * s_ref[t:t + 1, :]
-        if has_offsets:
-            d = d + jnp.sum(x_t.astype(jnp.float32), axis=1, keepdims=True) * o_ref[t:t + 1, :]
-        partial = d if partial is None else partial + d
-    acc_ref[...] += partial
+    acc_ref[...] += dequant_dot(x_ref[...], w_ref[...], s_ref, o_ref,
+                                width=x_ref.shape[1] if per_channel else group,
+                                scale_per_step=scale_per_step, w8a8=w8a8)
 
     @pl.when(k == pl.num_programs(2) - 1)
     def _():
