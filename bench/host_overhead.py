@@ -27,17 +27,22 @@ def main():
     ap.add_argument("--steps", type=int, default=12, help="engine steps per measurement")
     ap.add_argument("--json", default=None)
     ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
+    ap.add_argument("--mesh", default=None, help="e.g. tp=2: kernel time is per device")
     args = ap.parse_args()
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI, as mosaic's profiler
 
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.bench import measure_ceilings, weight_bytes
     from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.sharding import MeshSpec
 
     config = preset_config(args.preset)
     max_len = args.ctx + 8 * args.steps * args.decode_steps + 64
-    llm = LLM(random_model(config, jnp.bfloat16), kv_cache_bytes=8 << 30,
-              max_model_len=max_len, max_num_seqs=args.batch, decode_steps=args.decode_steps)
+    mesh = MeshSpec.parse(args.mesh).meshes()[0]
+    llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh), kv_cache_bytes=8 << 30,
+              max_model_len=max_len, max_num_seqs=args.batch, decode_steps=args.decode_steps,
+              mesh=args.mesh)
+    devices = mesh.size  # CUPTI records every device's kernels: times are summed over them
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_len - args.ctx - 1, ignore_eos=True)
     for i in range(args.batch):
@@ -61,11 +66,12 @@ def main():
         measured = run()
     finally:
         kernels = cupti._cupti_get_timings(True)
-    busy = sum(ms for _, ms in kernels) / 1e3 / measured
+    busy = sum(ms for _, ms in kernels) / 1e3 / measured / devices
     copy = measure_ceilings().copy_bytes_per_s
-    # weights once per step (MoE: the experts the batch hits), per token
-    floor = weight_bytes(llm.model, tokens=args.batch) / copy / args.batch
-    result = {"preset": args.preset, "batch": args.batch, "ctx": args.ctx,
+    # weights once per step (MoE: the experts the batch hits), per token, all devices at once
+    floor = weight_bytes(llm.model, tokens=args.batch) / copy / args.batch / devices
+    result = {"preset": args.preset, "mesh": str(mesh.shape), "batch": args.batch,
+              "ctx": args.ctx,
               "decode_steps": args.decode_steps, "wall_ms_per_token": wall * 1e3,
               "kernel_ms_per_token": busy * 1e3, "host_overhead": 1 - busy / wall,
               "weight_floor_ms_per_token": floor * 1e3, "fraction_of_floor": floor / wall,

@@ -39,6 +39,8 @@ def _model_options(fn):
         click.option("--json", "json_path", default=None, help="Write the result as JSON."),
         click.option("--record", default=None, help="Append a row to this markdown file."),
         click.option("--profile", default=None, help="Write a jax.profiler trace to this dir."),
+        click.option("--mesh", default=None, metavar="SPEC",
+                     help="Split the model over devices, e.g. tp=2 (see `jaxinfer serve`)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -46,19 +48,17 @@ def _model_options(fn):
 
 
 def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-          decode_steps):
-    import jax.numpy as jnp
-
+          decode_steps, mesh=None):
     from jaxinfer import LLM
+    from jaxinfer.cli.parallel import random_or_path
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.presets import preset_config, random_model
 
     if preset and model_path:
         raise JaxinferError("give --model or --preset, not both")
-    model = random_model(preset_config(preset), getattr(jnp, dtype)) if preset else model_path
-    return LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
-               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-               decode_steps=decode_steps)
+    return LLM(random_or_path(model_path, preset, dtype, mesh), dtype=None if preset else dtype,
+               kv_cache_bytes=int(kv_cache_gb * 2**30), max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
+               mesh=mesh)
 
 
 def _report(kind, ceilings, rows, headline, result, json_path, record):
@@ -115,12 +115,12 @@ def kernels(backend, small, json_path, record, profile, plot):
 @click.option("--input-len", type=int, default=128, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
 def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-            decode_steps, json_path, record, profile, batch, input_len, output_len):
+            decode_steps, json_path, record, profile, mesh, batch, input_len, output_len):
     """Time to first token and per-token decode time."""
     from jaxinfer.bench import bench_latency, measure_ceilings
 
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                decode_steps)
+                decode_steps, mesh)
     ceilings = measure_ceilings()
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings)
@@ -136,12 +136,13 @@ def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batche
 @click.option("--input-len", type=int, default=256, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
 def throughput(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-               decode_steps, json_path, record, profile, num_requests, input_len, output_len):
+               decode_steps, json_path, record, profile, mesh, num_requests, input_len,
+               output_len):
     """Offline throughput: N requests at once; output tokens/s."""
     from jaxinfer.bench import bench_throughput, measure_ceilings
 
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                decode_steps)
+                decode_steps, mesh)
     ceilings = measure_ceilings()
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)

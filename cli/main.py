@@ -12,6 +12,8 @@ import sys
 import click
 
 from jaxinfer.cli.bench import bench as _bench_group
+from jaxinfer.cli.parallel import join_job, parallel_options
+from jaxinfer.cli.plan import plan as _plan_command
 from jaxinfer.cli.serve import serve as _serve_command
 from jaxinfer.errors import JaxinferError
 
@@ -57,11 +59,17 @@ def cli():
 @click.option("--chat", is_flag=True, help="Apply the checkpoint's chat template.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None,
               help="Compute dtype (default: as stored; bfloat16 for HF/GGUF sources).")
-def generate(model_path, prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, dtype):
+@parallel_options
+def generate(model_path, prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, dtype,
+             mesh, coordinator, num_processes, process_id):
     """Generate text for one prompt, streamed to the terminal."""
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(model_path, dtype=dtype)
+    leader = join_job(coordinator, num_processes, process_id)
+    llm = LLM(model_path, dtype=dtype, mesh=mesh)
+    if not leader:  # runs process 0's steps, prints nothing
+        llm.follow()
+        return
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                             max_tokens=max_new_tokens, seed=seed)
     if llm.tokenizer is None:
@@ -100,6 +108,7 @@ def convert(src, out, dtype, quantize):
 
 cli.add_command(_bench_group)
 cli.add_command(_serve_command)
+cli.add_command(_plan_command)
 
 
 if __name__ == "__main__":

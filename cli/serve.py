@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from jaxinfer.cli.parallel import join_job, parallel_options, random_or_path
 from jaxinfer.errors import JaxinferError
 
 
@@ -60,8 +61,10 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
               help="Decode steps per engine step (more: fewer host round trips).")
 @click.option("--no-warmup", is_flag=True, help="Skip compiling the step buckets at start.")
+@parallel_options
 def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max_num_seqs,
-          max_num_batched_tokens, kv_cache_gb, max_model_len, decode_steps, no_warmup):
+          max_num_batched_tokens, kv_cache_gb, max_model_len, decode_steps, no_warmup, mesh,
+          coordinator, num_processes, process_id):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
     start = time.perf_counter() - (_seconds_since_process_start() or 0.0)
@@ -74,18 +77,16 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
 
     if model_path and preset:
         raise JaxinferError("--model and --preset: give one, not both")
-    sock = _bind(host, port)
-    if preset:
-        import jax.numpy as jnp
-
-        from jaxinfer.presets import preset_config, random_model
-
-        model = random_model(preset_config(preset), jnp.dtype(dtype or "bfloat16"))
-    else:
-        model = model_path
+    leader = join_job(coordinator, num_processes, process_id)
+    sock = _bind(host, port) if leader else None  # only process 0 serves HTTP
+    model = random_or_path(model_path, preset, dtype, mesh)
     llm = LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps)
+              max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
+              mesh=mesh)
+    if not leader:  # runs process 0's steps until it exits
+        llm.follow()
+        return
     if not no_warmup:
         llm.warmup()
     name = served_model_name or preset or model_path or "SmolLM2-135M-Instruct"

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
+from jaxinfer.sharding import P
 
 
 @jax.tree_util.register_dataclass
@@ -54,6 +55,8 @@ class AttentionMetadata:
 
 
 FP8_KV_DTYPE = jnp.float8_e4m3fn
+# Logical axes of a page array (`jaxinfer.sharding`): split over KV heads on a mesh.
+KV_PAGES_AXES = P(None, None, "kv_heads", "head_dim")
 
 
 def quantize_kv(x, dtype, scale: float | None):

@@ -30,6 +30,10 @@ class Ceilings:
         return (f"ceilings: copy {self.copy_bytes_per_s / 1e9:.1f} GB/s, "
                 f"bf16 matmul {self.matmul_flops_per_s / 1e12:.2f} TFLOP/s")
 
+    def times(self, devices: int) -> Ceilings:
+        """The ceilings of `devices` such devices working together (a sharded model)."""
+        return Ceilings(self.copy_bytes_per_s * devices, self.matmul_flops_per_s * devices)
+
 
 def median_seconds(fn, *args, iters: int = 20, warmup: int = 3) -> float:
     """Median time of fn(*args): device kernel time on GPU, host time with a sync elsewhere."""
@@ -208,8 +212,11 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
     summary = {"batch": batch, "input_len": input_len, "output_len": output_len,
                "ttft_ms": ttft * 1e3, "itl_ms": itl * 1e3, "tokens_per_s": batch / itl,
                "weight_bytes": w_bytes}
-    rows = [roofline(f"decode step B={batch} (ctx ~{mid_ctx})", itl, step_bytes, step_flops,
-                     ceilings)]
+    devices = llm.runner.mesh.size  # a sharded model streams from all its devices at once
+    summary["devices"] = devices
+    rows = [roofline(f"decode step B={batch} (ctx ~{mid_ctx}, {devices} device"
+                     f"{'s' if devices > 1 else ''})", itl, step_bytes, step_flops,
+                     ceilings.times(devices))]
     return summary, rows
 
 
@@ -241,6 +248,9 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
                "seconds": elapsed, "steps": steps, "output_tokens_per_s": generated / elapsed,
                "requests_per_s": num_requests / elapsed}
-    rows = [roofline(f"mean step ({steps} steps, {all_tokens} tokens)", elapsed / steps,
-                     step_bytes, step_flops, ceilings)]
+    devices = llm.runner.mesh.size
+    summary["devices"] = devices
+    rows = [roofline(f"mean step ({steps} steps, {all_tokens} tokens, {devices} device"
+                     f"{'s' if devices > 1 else ''})", elapsed / steps, step_bytes, step_flops,
+                     ceilings.times(devices))]
     return summary, rows

@@ -43,6 +43,7 @@ from jaxinfer.models import Decoder
 from jaxinfer.models.layers import is_quantizable
 from jaxinfer.quant import FP8_DTYPE, VALUE_DTYPES, QuantFormat, QuantizedWeight, parse_format
 from jaxinfer.quant import quantize as quantize_weight
+from jaxinfer.sharding import MeshSpec, ParamPlacer, mesh_axis_size, param_axes
 
 GROUP_BYTES = 64 << 20
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -210,23 +211,25 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
 
 
 def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = None,
-               sharding: jax.sharding.Sharding | None = None) -> Decoder:
+               mesh: jax.sharding.Mesh | None = None) -> Decoder:
     """Loads a converted dir, an HF dir or a .gguf file (a path, or a source already open).
 
-    Arrays go straight to `sharding` (default: the first device): Orbax restores
-    each one into its target sharding, and direct HF/GGUF loads place tensors
-    one at a time, so the model is never assembled on the host first.
+    Each array goes straight to its devices: on `mesh` (default: the first device alone)
+    each device receives only its shard (`jaxinfer.sharding`): Orbax restores every
+    array into its target sharding, and direct HF/GGUF loads place tensors one at a
+    time, so the model is never assembled on one device or on the host first.
     `dtype` defaults to the stored dtype (converted) or bfloat16 (HF/GGUF); it
     casts float parameters only. Quantized projections (a converted checkpoint's
     `weight_scale` keys, a GGUF's Q4_0 / Q4_1 / Q8_0 tensors) stay quantized.
     """
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    mesh = mesh or MeshSpec().meshes()[0]
     if isinstance(path, HFSource | GGUFSource):
         source, path = path, path.path
     else:
         path, source = Path(path), None
     if is_converted(path):
         config = ModelConfig.from_json_file(path / CONFIG_FILE)
+        placer = model_placer(config, mesh, path)
         activations = _activations(config, path / CONFIG_FILE)
         weights_dir = path / WEIGHTS_DIR
         ocp = _ocp()
@@ -237,23 +240,47 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
                 _check_stored(weights_dir, expected_shapes(config), stored)
                 abstract = {k: jax.ShapeDtypeStruct(m.shape, _restore_dtype(k, m.dtype, dtype,
                                                                             stored),
-                                                    sharding=sharding)
+                                                    sharding=placer.sharding(k, m.shape))
                             for k, m in stored.items()}
                 params = ocp.load(weights_dir.absolute(), abstract)
         except JaxinferError:
             raise
         except Exception as e:
             raise JaxinferError(f"{weights_dir}: cannot read checkpoint ({e})") from None
+        params = {k: placer.place(k, a) for k, a in params.items()}
     else:
         source = source or open_source(path)
         config = source.config
+        placer = model_placer(config, mesh, path)
         np_dtype = DTYPES[dtype or "bfloat16"]
-        params = {k: jax.device_put(a, sharding)
-                  for k, a in _checked_tensors(source, config, np_dtype)}
+        params = {k: placer.place(k, a) for k, a in _checked_tensors(source, config, np_dtype)}
         if any(k.endswith(SCALE) for k in params):  # a GGUF's or MXFP4 checkpoint's own
             config = dataclasses.replace(config, quantization=source.native_quantization)
         activations = None
-    return _build_model(config, params, activations)
+    return _build_model(placer.model_config, params, activations, placer.tp)
+
+
+def model_placer(config: ModelConfig, mesh: jax.sharding.Mesh, where="the model",
+                 relayout: bool = True) -> ParamPlacer:
+    """The ParamPlacer of a model of `config` on `mesh` (its split checked first)."""
+    MeshSpec(ep=mesh_axis_size(mesh, "ep"), tp=mesh_axis_size(mesh, "tp")).check(config, where)
+    model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    return ParamPlacer(config, mesh, param_axes(model), relayout)
+
+
+def shard_model(model: Decoder, mesh: jax.sharding.Mesh) -> Decoder:
+    """The same model with its parameters placed on `mesh` (a copy; `model` is unchanged):
+    an unsharded model on any mesh, a sharded one on a mesh of the same tp (dp replicas)."""
+    tp = mesh_axis_size(mesh, "tp")
+    if model.tp_layout not in (1, tp):
+        raise JaxinferError(f"a model laid out for tp={model.tp_layout} cannot move to "
+                            f"tp={tp}; load it again")
+    placer = model_placer(model.config, mesh, relayout=model.tp_layout == 1)
+    params = {_key(p): placer.place(_key(p), v[...])
+              for p, v in nnx.state(model, nnx.Param).flat_state()}
+    activations = next((m.activations for _, m in nnx.iter_graph(model)
+                        if getattr(m, "activations", None)), None)
+    return _build_model(placer.model_config, params, activations, tp_layout=tp)
 
 
 def _activations(config: ModelConfig, where) -> str | None:
@@ -284,10 +311,13 @@ def _module_at(model: Decoder, prefix: str):
     return obj
 
 
-def _build_model(config: ModelConfig, params: dict, activations: str | None) -> Decoder:
-    """A Decoder holding `params` (checked already), its quantized projections quantized."""
+def _build_model(config: ModelConfig, params: dict, activations: str | None,
+                 tp_layout: int = 1) -> Decoder:
+    """A Decoder holding `params` (checked already), its quantized projections quantized;
+    tp_layout: the tp its tensors were laid out for (`jaxinfer.sharding.ParamPlacer`)."""
     param_dtype = params["embed.embedding"].dtype
     model = nnx.eval_shape(lambda: Decoder(config, dtype=param_dtype, rngs=nnx.Rngs(0)))
+    model.tp_layout = tp_layout
     for key in params:
         if key.endswith(_PARTS[0]):
             weight = key.removesuffix(SCALE)

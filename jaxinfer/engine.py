@@ -243,12 +243,25 @@ class Engine:
 
     def step(self) -> list[RequestDelta]:
         """Runs one batch; returns a delta for each request that gained tokens."""
+        return self.finish(self.launch())
+
+    def launch(self):
+        """Schedules a batch and dispatches it to the device without waiting (None: nothing
+        to run); `finish` collects it."""
         batch = self.schedule()
         if not batch:
-            return []
+            return None
         num_steps = self._decode_steps(batch)
         with_logprobs = any(req.params.logprobs is not None for req, _ in batch)
-        out = self.runner.step([chunk for _, chunk in batch], num_steps, with_logprobs)
+        return batch, self.runner.launch([chunk for _, chunk in batch], num_steps,
+                                         with_logprobs)
+
+    def finish(self, launched) -> list[RequestDelta]:
+        """Waits for a launched batch and applies its tokens to the requests."""
+        if launched is None:
+            return []
+        batch, pending = launched
+        out = self.runner.collect(pending)
         self.num_steps += 1
         deltas = []
         for s, (req, chunk) in enumerate(batch):
@@ -340,3 +353,78 @@ class Engine:
             self.allocator.release(req.pages)
             req.pages = []
         req.finish_reason = req.finish_reason or "abort"
+
+
+class ReplicatedEngine:
+    """Data parallelism: independent engines (each with its runner on its own sub-mesh) behind
+    the one-engine interface. A new request goes to the engine with the fewest requests; a
+    step launches every engine's batch before collecting any, so the replicas' devices run
+    at the same time."""
+
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+        ids = itertools.count()  # one id sequence: ids (and default seeds) stay unique
+        for e in engines:
+            e._ids = ids
+        first = engines[0]
+        self.runner, self.tokenizer, self.decode_steps = (first.runner, first.tokenizer,
+                                                          first.decode_steps)
+        self.eos_token_ids, self.max_model_len = first.eos_token_ids, first.max_model_len
+        self.max_num_seqs = first.max_num_seqs
+        self.max_num_batched_tokens = first.max_num_batched_tokens
+        self._owner: dict[int, Engine] = {}
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams):
+        self.engines[0].validate(prompt_ids, params)
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        engine = min(self.engines, key=lambda e: len(e.waiting) + len(e.running))
+        req = engine.add_request(prompt_ids, params)
+        self._owner[req.id] = engine
+        return req
+
+    def abort(self, req: Request):
+        engine = self._owner.pop(req.id, None)
+        if engine is not None:
+            engine.abort(req)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.engines)
+
+    def step(self) -> list[RequestDelta]:
+        launched = [(e, e.launch()) for e in self.engines]
+        deltas = [d for e, work in launched for d in e.finish(work)]
+        for d in deltas:
+            if d.finished:
+                self._owner.pop(d.request.id, None)
+        return deltas
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for e in self.engines for r in e.waiting]
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for e in self.engines for r in e.running]
+
+    @property
+    def allocator(self) -> PoolTotals:
+        return PoolTotals(sum(e.allocator.num_pages for e in self.engines),
+                          sum(e.allocator.num_free for e in self.engines))
+
+    def __getattr__(self, name):
+        if name in _COUNTERS:  # summed over the replicas
+            return sum(getattr(e, name) for e in self.engines)
+        raise AttributeError(name)
+
+
+_COUNTERS = ("num_steps", "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens",
+             "num_computed_tokens", "num_generated_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolTotals:
+    """The page pools of several engines, summed (what metrics report)."""
+
+    num_pages: int
+    num_free: int

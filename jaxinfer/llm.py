@@ -10,12 +10,13 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.checkpoint import is_converted, load_model, open_source
-from jaxinfer.engine import Engine, Request
+from jaxinfer.checkpoint import is_converted, load_model, open_source, shard_model
+from jaxinfer.engine import Engine, ReplicatedEngine, Request
 from jaxinfer.errors import JaxinferError
 from jaxinfer.models import Decoder
 from jaxinfer.runner import ModelRunner, SeqChunk, bucket
 from jaxinfer.sampling import SamplingParams, TokenLogprob
+from jaxinfer.sharding import MeshSpec
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -52,20 +53,29 @@ class LLM:
     def __init__(self, model: str | Path | Decoder | None = None, *, dtype: str | None = None,
                  page_size: int = 16, kv_cache_bytes: int = 1 << 30,
                  max_model_len: int | None = None, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 512, decode_steps: int = 1):
+                 max_num_batched_tokens: int = 512, decode_steps: int = 1,
+                 mesh: str | MeshSpec | None = None):
+        """`mesh` (e.g. "tp=2" or "tp=2,dp=2", see `jaxinfer.sharding`) splits the model over
+        that many devices (all processes' devices, multi-host); kv_cache_bytes is per replica
+        and counts every device's share."""
         enable_compilation_cache()
+        spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)
+        meshes = spec.meshes()
         if isinstance(model, Decoder):  # e.g. a random-weight preset (jaxinfer.presets)
-            self.path, self.model, self.tokenizer = None, model, None
+            self.path, self.tokenizer = None, None
+            self.model = shard_model(model, meshes[0])
         else:
             if model is None:
                 from jaxinfer.default_model import default_model_path
                 model = default_model_path()
             self.path = Path(model)
             if is_converted(self.path):
-                self.model, files = load_model(self.path, dtype=dtype), None
+                self.model = load_model(self.path, dtype=dtype, mesh=meshes[0])
+                files = None
             else:  # one read of the source for both weights and tokenizer
                 source = open_source(self.path)
-                self.model, files = load_model(source, dtype=dtype), source.tokenizer_files()
+                self.model = load_model(source, dtype=dtype, mesh=meshes[0])
+                files = source.tokenizer_files()
             if files is None and (self.path / "tokenizer.json").exists():
                 self.tokenizer = Tokenizer.from_dir(self.path)
             elif files and "tokenizer.json" in files:
@@ -78,9 +88,14 @@ class LLM:
         num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)
-        runner = ModelRunner(self.model, num_pages, page_size, self.max_model_len)
-        self.engine = Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
-                             max_num_batched_tokens, self.tokenizer, decode_steps)
+        engines = []
+        for i, replica_mesh in enumerate(meshes):  # dp replicas: copies of replica 0's weights
+            model_i = self.model if i == 0 else shard_model(self.model, replica_mesh)
+            runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,
+                                 replica_mesh)
+            engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
+                                  max_num_batched_tokens, self.tokenizer, decode_steps))
+        self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
 
     def warmup(self, max_len: int | None = None, progress: bool = True) -> float:
         """Compiles the step's buckets ahead of time: decode batches of every sequence bucket
@@ -101,18 +116,26 @@ class LLM:
                 for s in seq_buckets for p in page_buckets]
         token_buckets = sorted({bucket(n, 16) for n in range(1, e.max_num_batched_tokens + 1)})
         plan += [([t], 0, 1) for t in token_buckets]
+        runners = [e.runner for e in getattr(e, "engines", [e])]
         for lengths, context, steps in tqdm(plan, desc="warm-up: compiling", unit="shape",
                                             disable=not progress):
             context = max(context, 0)
             pages = [r.scratch_page] * -(-(context + max(max(lengths), steps)) // r.page_size)
             chunks = [SeqChunk(new_tokens=[0] * n, num_cached=context, pages=pages,
                                remaining=steps) for n in lengths]
-            r.step(chunks, steps)
+            for runner in runners:
+                runner.step(chunks, steps)
         return time.perf_counter() - start
 
     @property
     def runner(self) -> ModelRunner:
+        """The (first replica's) model runner."""
         return self.engine.runner
+
+    def follow(self) -> list:
+        """Processes other than 0 of a multi-host job: run the steps process 0 broadcasts
+        until it exits (see `jaxinfer.multihost`); returns each step's sampled tokens."""
+        return self.runner.follow()
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -169,20 +192,21 @@ class LLM:
     def logits(self, prompts: list[list[int]]) -> list:
         """float32 logits [len(prompt), vocab] for every position of each prompt (one prefill)."""
         page_size = self.runner.page_size
+        engine = getattr(self.engine, "engines", [self.engine])[0]  # the runner's engine
         chunks = []
         try:
             for ids in prompts:
                 if len(ids) > self.max_model_len:
                     raise JaxinferError(f"prompt has {len(ids)} tokens; max_model_len is "
                                         f"{self.max_model_len}")
-                pages = self.engine.allocator.allocate(-(-len(ids) // page_size))
+                pages = engine.allocator.allocate(-(-len(ids) // page_size))
                 if pages is None:
                     raise JaxinferError("the KV cache is too small for these prompts")
                 chunks.append(SeqChunk(new_tokens=list(ids), num_cached=0, pages=pages))
             return self.runner.logits(chunks)
         finally:
             for c in chunks:
-                self.engine.allocator.release(c.pages)
+                engine.allocator.release(c.pages)
 
     def _output(self, prompt, req: Request) -> RequestOutput:
         return RequestOutput(prompt, req.text, list(req.output_ids), req.finish_reason,

@@ -13,6 +13,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.models import Decoder
+from jaxinfer.sharding import MeshSpec
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -76,22 +77,29 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
-                 sharding: jax.sharding.Sharding | None = None) -> Decoder:
-    """A Decoder with random weights generated on the device, one parameter at a time.
+                 mesh: jax.sharding.Mesh | None = None) -> Decoder:
+    """A Decoder with random weights generated on the device(s), one parameter at a time,
+    each straight into its shards on `mesh` (default: the first device). The same seed
+    gives the same model on any mesh.
 
     Matrices ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.02^2) (never zeros).
     """
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    from jaxinfer.checkpoint import _build_model, model_placer
+
+    placer = model_placer(config, mesh or MeshSpec().meshes()[0])
     model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    flat = nnx.state(model, nnx.Param).flat_state()
-
-    @functools.partial(jax.jit, static_argnums=(1,), out_shardings=sharding)
-    def make(key, shape):  # one compile per distinct shape
-        offset = 1.0 if len(shape) == 1 else 0.0
-        return (offset + 0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
     key = jax.random.key(seed)
-    filled = [(path, var.replace(make(jax.random.fold_in(key, i), tuple(var.shape))))
-              for i, (path, var) in enumerate(flat)]
-    nnx.update(model, nnx.State.from_flat_path(filled))
-    return model
+    params = {}
+    for i, (path, var) in enumerate(nnx.state(model, nnx.Param).flat_state()):
+        name, shape = ".".join(map(str, path)), tuple(var.shape)
+        array = _random(jax.random.fold_in(key, i), shape, jnp.dtype(dtype),
+                        placer.sharding(name, shape))
+        params[name] = placer.place(name, array)
+    return _build_model(placer.model_config, params, None, placer.tp)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _random(key, shape, dtype, sharding):
+    offset = 1.0 if len(shape) == 1 else 0.0
+    x = (offset + 0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.lax.with_sharding_constraint(x, sharding)

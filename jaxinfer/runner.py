@@ -14,8 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxinfer.attention import AttentionMetadata
+from jaxinfer import multihost
+from jaxinfer.attention import KV_PAGES_AXES, AttentionMetadata
 from jaxinfer.models import Decoder
 from jaxinfer.sampling import (
     MAX_LOGPROBS,
@@ -25,6 +28,7 @@ from jaxinfer.sampling import (
     sample,
     token_counts,
 )
+from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 
 
 def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
@@ -82,9 +86,12 @@ class ModelRunner:
     page that sequences finished in the middle of a multi-step decode write into."""
 
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
-                 kv_sharding: jax.sharding.Sharding | None = None):
+                 mesh: jax.sharding.Mesh | None = None):
+        """`mesh`: the one the model's parameters were placed on (`jaxinfer.sharding`);
+        the KV cache is split over its KV heads like the k/v projections."""
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
+        self.mesh = mesh or MeshSpec().meshes()[0]
         self.scratch_page = num_pages
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.graphdef, state = nnx.split(model)
@@ -93,14 +100,18 @@ class ModelRunner:
         self.eos_token_ids = tuple(c.eos_token_ids)
         dtype = model.embed.embedding.dtype
         shape = (num_pages + 1, page_size, c.num_kv_heads, c.head_dim)
-        # Committed to its device like the step's outputs: an uncommitted first cache would
+        # Committed to its devices like the step's outputs: an uncommitted first cache would
         # make the first call of each bucket compile a second time once the cache comes back.
-        kv_sharding = kv_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        kv_sharding = NamedSharding(self.mesh, logical_to_mesh(KV_PAGES_AXES, shape, self.mesh))
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
         self.kv_cache = [(zeros(), zeros()) for _ in range(c.num_layers)]
-        self._sample_step = jax.jit(self._sample, donate_argnums=(0,),
-                                    static_argnames=("num_steps", "with_logprobs"))
-        self._logits_step = jax.jit(self._logits, donate_argnums=(0,))
+        # Outputs replicated, so every process (multi-host) can read them.
+        jit = dict(donate_argnums=(0,), out_shardings=(NamedSharding(self.mesh, P()),
+                                                       kv_sharding),
+                   compiler_options=step_compiler_options(self.mesh))
+        self._sample_step = jax.jit(self._sample, static_argnames=("num_steps", "with_logprobs"),
+                                    **jit)
+        self._logits_step = jax.jit(self._logits, **jit)
 
     def _model(self, state_leaves) -> Decoder:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_treedef, state_leaves))
@@ -236,21 +247,67 @@ class ModelRunner:
              with_logprobs: bool = False) -> StepOutput:
         """Runs the batch; returns the tokens sampled for each chunk (from its last token's
         logits, then num_steps - 1 more decode steps when num_steps > 1)."""
+        return self.collect(self.launch(chunks, num_steps, with_logprobs))
+
+    def launch(self, chunks: list[SeqChunk], num_steps: int = 1,
+               with_logprobs: bool = False) -> PendingStep:
+        """Dispatches the batch and returns at once (the device works while the host goes on,
+        e.g. launching other replicas' batches); `collect` waits for the result."""
         inputs = self.prepare(chunks, num_steps)
-        out, self.kv_cache = self._sample_step(self.kv_cache, self.state_leaves, inputs,
-                                               num_steps=num_steps, with_logprobs=with_logprobs)
-        n = len(chunks)
-        if not with_logprobs:  # only the ids come back to the host
-            return StepOutput(np.asarray(out[0])[:n])
-        return StepOutput(*(np.asarray(x)[:n] for x in out))
+        multihost.lead(multihost.SAMPLE, inputs, num_steps, with_logprobs)
+        return PendingStep(self._run_sample(inputs, num_steps, with_logprobs), len(chunks),
+                           with_logprobs)
+
+    def _run_sample(self, inputs: StepInputs, num_steps: int, with_logprobs: bool):
+        with jax.set_mesh(self.mesh):
+            out, self.kv_cache = self._sample_step(
+                self.kv_cache, self.state_leaves, multihost.to_global(inputs, self.mesh),
+                num_steps=num_steps, with_logprobs=with_logprobs)
+        return out
+
+    def _run_logits(self, inputs: StepInputs):
+        with jax.set_mesh(self.mesh):
+            logits, self.kv_cache = self._logits_step(
+                self.kv_cache, self.state_leaves, multihost.to_global(inputs, self.mesh))
+        return logits
+
+    @staticmethod
+    def collect(pending: PendingStep) -> StepOutput:
+        n = pending.num_seqs
+        # Only the ids come back to the host unless logprobs were asked for.
+        out = pending.out if pending.with_logprobs else pending.out[:1]
+        return StepOutput(*(multihost.host_value(x)[:n] for x in out))
 
     def logits(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
         """Runs the batch; returns each chunk's float32 logits [len(new_tokens), vocab]."""
-        logits, self.kv_cache = self._logits_step(self.kv_cache, self.state_leaves,
-                                                  self.prepare(chunks))
-        logits = np.asarray(logits)
+        inputs = self.prepare(chunks)
+        multihost.lead(multihost.LOGITS, inputs)
+        logits = multihost.host_value(self._run_logits(inputs))
         out, t = [], 0
         for c in chunks:
             out.append(logits[t:t + len(c.new_tokens)])
             t += len(c.new_tokens)
         return out
+
+    def follow(self) -> list[np.ndarray]:
+        """On a process other than 0 (multi-host): runs every step process 0 broadcasts,
+        until it broadcasts the end; returns each sampling step's tokens [S, N]."""
+        template = self.prepare([SeqChunk(new_tokens=[0], num_cached=0, pages=[0])])
+        tokens = []
+        while (received := multihost.follow(template)) is not None:
+            kind, inputs, num_steps, with_logprobs = received
+            if kind == multihost.SAMPLE:
+                out = self._run_sample(inputs, num_steps, with_logprobs)
+                tokens.append(multihost.host_value(out[0]))
+            else:
+                self._run_logits(inputs)
+        return tokens
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched batch: the step's device outputs, and how many of its rows are live."""
+
+    out: tuple
+    num_seqs: int
+    with_logprobs: bool

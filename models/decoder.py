@@ -19,6 +19,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.linear import linear
 from jaxinfer.models.layers import MLP, Attention, RMSNorm
 from jaxinfer.models.moe import MoE
+from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 
 class DecoderLayer(nnx.Module):
@@ -41,12 +42,27 @@ class DecoderLayer(nnx.Module):
 
 
 class Embedding(nnx.Module):
+    """embedding [vocab, dim], its rows split over the vocabulary axis when sharded."""
+
     def __init__(self, vocab_size, dim, *, dtype, rngs: nnx.Rngs):
         self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
-                                                                 (vocab_size, dim), dtype))
+                                                                 (vocab_size, dim), dtype),
+                                   axes=P("vocab", "embed"))
 
     def __call__(self, token_ids):
-        return jnp.take(self.embedding[...], token_ids, axis=0)
+        vocab = self.embedding.shape[0]
+
+        def lookup(table, ids):
+            if table.shape[0] == vocab:  # the whole table here
+                return jnp.take(table, ids, axis=0)
+            # Each device looks up the ids among its rows (zeros for the others); a psum joins.
+            local = ids - shard_index("vocab") * table.shape[0]
+            mine = (local >= 0) & (local < table.shape[0])
+            rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+            return reduce_over(("vocab",), jnp.where(mine[:, None], rows, 0))
+
+        return shard_map_logical(lookup, (P("vocab", "embed"), P("batch")), P("batch", "embed"),
+                                 self.embedding[...], token_ids)
 
 
 class Decoder(nnx.Module):
@@ -54,6 +70,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
+        self.tp_layout = 1  # the tp the weights are laid out for (jaxinfer.sharding)
         self.embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
@@ -62,7 +79,8 @@ class Decoder(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
-                rngs.params(), (config.vocab_size, config.hidden_size), dtype))
+                rngs.params(), (config.vocab_size, config.hidden_size), dtype),
+                axes=P("vocab", "embed"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: list,
                  md: AttentionMetadata):

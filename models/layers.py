@@ -8,6 +8,7 @@ and gate/up/down projections may be quantized (`Linear.set_quantized`), adding
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -15,10 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
+from jaxinfer.attention import KV_PAGES_AXES, AttentionMetadata, ragged_paged_attention
 from jaxinfer.config import ModelConfig
 from jaxinfer.linear import linear
 from jaxinfer.quant import QuantizedWeight
+from jaxinfer.sharding import P, reduce_over, shard_map_logical
 
 _init = nnx.initializers.normal(0.02)
 
@@ -41,21 +43,28 @@ def is_quantizable(key: str) -> bool:
 class Linear(nnx.Module):
     """weight [out, in] (+ bias [out]); or a quantized weight (see `set_quantized`).
 
-    A quantized layer holds the parts of a `QuantizedWeight` as parameters, under
-    the checkpoint keys `weight` (values [N, K] int8 / int4 / float8_e4m3fn),
-    `weight_scale` (scales [K // g, N] float32) and `weight_offset` (offsets like
-    the scales, or None), with `activations` ("fp8": W8A8) static.
+    `axes` names the weight's logical axes (out, in), e.g. P("heads", "embed") for a
+    column-split projection and P("embed", "heads") for the row-split one after it (see
+    `jaxinfer.sharding`). A quantized layer holds the parts of a `QuantizedWeight` as
+    parameters, under the checkpoint keys `weight` (values [N, K] int8 / int4 /
+    float8_e4m3fn), `weight_scale` (scales [K // g, N] float32) and `weight_offset`
+    (offsets like the scales, or None), with `activations` ("fp8": W8A8) static.
     """
 
-    def __init__(self, in_features, out_features, *, bias, dtype, rngs: nnx.Rngs,
+    def __init__(self, in_features, out_features, *, axes: P, bias, dtype, rngs: nnx.Rngs,
                  num_experts: int = 0):
         stack = (num_experts,) if num_experts else ()  # a stack of expert layers (MoE)
         self.weight = nnx.Param(_init(rngs.params(), (*stack, out_features, in_features),
-                                      dtype))
-        self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
+                                      dtype), axes=axes)
+        self.bias = (nnx.Param(jnp.zeros((*stack, out_features), dtype), axes=P(*axes[:-1]))
+                     if bias else None)
         self.weight_scale = nnx.data(None)
         self.weight_offset = nnx.data(None)
         self.activations = None
+
+    @property
+    def axes(self) -> P:
+        return self.weight.get_metadata()["axes"]
 
     @property
     def quantized(self) -> bool:
@@ -66,25 +75,54 @@ class Linear(nnx.Module):
         if tuple(w.shape) != tuple(self.weight.shape):
             raise ValueError(f"set_quantized: weight {tuple(w.shape)}, layer "
                              f"{tuple(self.weight.shape)}")
-        self.weight = nnx.Param(w.values)
-        self.weight_scale = nnx.Param(w.scales)
-        self.weight_offset = None if w.offsets is None else nnx.Param(w.offsets)
+        axes = self.axes
+        *stack, n, k = axes
+        self.weight = nnx.Param(w.values, axes=axes)
+        self.weight_scale = nnx.Param(w.scales, axes=P(*stack, k, n))
+        self.weight_offset = (None if w.offsets is None
+                              else nnx.Param(w.offsets, axes=P(*stack, k, n)))
         self.activations = w.activations
 
     def quantized_weight(self) -> QuantizedWeight:
         offset = None if self.weight_offset is None else self.weight_offset[...]
         return QuantizedWeight(self.weight[...], self.weight_scale[...], offset, self.activations)
 
+    def weight_and_axes(self):
+        """(the float weight or QuantizedWeight, a matching pytree of logical axes)."""
+        if not self.quantized:
+            return self.weight[...], self.axes
+        w = self.quantized_weight()
+        *stack, n, k = self.axes
+        parts = P(*stack, k, n)
+        return w, QuantizedWeight(self.axes, parts, None if w.offsets is None else parts,
+                                  w.activations)
+
     def __call__(self, x):
-        w = self.quantized_weight() if self.quantized else self.weight[...]
-        return linear(x, w, None if self.bias is None else self.bias[...])
+        bias = None if self.bias is None else self.bias[...]
+        if not self.quantized:  # XLA partitions the dot from the weight's sharding
+            return linear(x, self.weight[...], bias)
+        # The kernel runs per device on its shard; a split `in` axis leaves partial sums.
+        w, w_axes = self.weight_and_axes()
+        out_axis, in_axis = self.axes
+        lead = (None,) * (x.ndim - 1)
+
+        in_features = x.shape[-1]
+
+        def local(x, w):
+            y = linear(x, w)
+            return y if x.shape[-1] == in_features else reduce_over((in_axis,), y)
+
+        y = shard_map_logical(local, (P(*lead, in_axis), w_axes), P(*lead, out_axis), x, w)
+        if bias is None:
+            return y
+        return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
     """HF's order of operations: normalise in f32, cast back, then scale."""
 
-    def __init__(self, dim, *, eps, dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim, *, eps, dtype, axes: P | None = None):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=axes or P("embed"))
         self.eps = eps
 
     def __call__(self, x):
@@ -150,21 +188,22 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, layer: int = 0, dtype, rngs: nnx.Rngs):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias,
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = Linear(c.hidden_size, q_size, axes=P("heads", "embed"), bias=c.qkv_bias,
                              dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias,
-                             dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias,
-                             dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias,
+        self.k_proj = Linear(c.hidden_size, kv_size, axes=P("kv_heads", "embed"),
+                             bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, kv_size, axes=P("kv_heads", "embed"),
+                             bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(q_size, c.hidden_size, axes=P("embed", "heads"), bias=c.o_bias,
                              dtype=dtype, rngs=rngs)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, dtype=dtype)
+            norm = dict(eps=c.rms_norm_eps, dtype=dtype, axes=P("head_dim"))
+            self.q_norm, self.k_norm = RMSNorm(c.head_dim, **norm), RMSNorm(c.head_dim, **norm)
         else:
             self.q_norm = self.k_norm = None
         # gpt-oss: a learned logit per query head joins each softmax's denominator.
-        self.sinks = (nnx.Param(jnp.zeros((c.num_heads,), dtype))
+        self.sinks = (nnx.Param(jnp.zeros((c.num_heads,), dtype), axes=P("heads"))
                       if c.attention_sinks else None)
         self.sliding_window = c.layer_window(layer)
         self.config = c
@@ -179,11 +218,16 @@ class Attention(nnx.Module):
         inv_freq, rope_factor = rope_inv_freq(self.config)  # constants under jit
         q = apply_rope(q, positions, inv_freq, rope_factor)
         k = apply_rope(k, positions, inv_freq, rope_factor)
-        out, k_pages, v_pages = ragged_paged_attention(
-            q, k, v, *kv_pages, md,
-            sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window,
-            sinks=None if self.sinks is None else self.sinks[...],
-        )
+        attend = functools.partial(ragged_paged_attention, sm_scale=self.head_dim ** -0.5,
+                                   sliding_window=self.sliding_window)
+        heads, kv_heads = P("batch", "heads", "head_dim"), P("batch", "kv_heads", "head_dim")
+        pages = KV_PAGES_AXES
+        sinks = None if self.sinks is None else self.sinks[...]
+        # The kernel runs per device on its heads (and the KV heads they read).
+        out, k_pages, v_pages = shard_map_logical(
+            lambda q, k, v, kp, vp, md, sinks: attend(q, k, v, kp, vp, md, sinks=sinks),
+            (heads, kv_heads, kv_heads, pages, pages, P(), P("heads")), (heads, pages, pages),
+            q, k, v, *kv_pages, md, sinks)
         return self.o_proj(out.reshape(T, -1)), (k_pages, v_pages)
 
 
@@ -194,9 +238,13 @@ class MLP(nnx.Module):
                  rngs: nnx.Rngs):
         c = config
         i = intermediate_size or c.intermediate_size
-        self.gate_proj = Linear(c.hidden_size, i, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(c.hidden_size, i, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(i, c.hidden_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        column, row = P("mlp", "embed"), P("embed", "mlp")
+        self.gate_proj = Linear(c.hidden_size, i, axes=column, bias=c.mlp_bias, dtype=dtype,
+                                rngs=rngs)
+        self.up_proj = Linear(c.hidden_size, i, axes=column, bias=c.mlp_bias, dtype=dtype,
+                              rngs=rngs)
+        self.down_proj = Linear(i, c.hidden_size, axes=row, bias=c.mlp_bias, dtype=dtype,
+                                rngs=rngs)
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

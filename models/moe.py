@@ -25,25 +25,30 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.grouped_matmul import grouped_matmul
 from jaxinfer.models.layers import MLP, Linear
+from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 
 class ExpertLinear(Linear):
     """A stack of E linear layers: weight [E, out, in] (+ bias [E, out]), float or quantized
-    (`Linear.set_quantized` with a stacked `QuantizedWeight`)."""
+    (`Linear.set_quantized` with a stacked `QuantizedWeight`); `axes` names (out, in)."""
 
-    def __init__(self, num_experts, in_features, out_features, *, bias, dtype,
+    def __init__(self, num_experts, in_features, out_features, *, axes: P, bias, dtype,
                  rngs: nnx.Rngs):
-        super().__init__(in_features, out_features, bias=bias, dtype=dtype, rngs=rngs,
-                         num_experts=num_experts)
+        super().__init__(in_features, out_features, axes=P("experts", *axes), bias=bias,
+                         dtype=dtype, rngs=rngs, num_experts=num_experts)
+        self.in_features = in_features
 
     def __call__(self, x_sorted, group_sizes, row_expert):
         """x_sorted [M, in] (rows grouped by expert), group_sizes [E], row_expert [M]
-        -> [M, out]."""
+        -> [M, out]. On a mesh this runs per device on its shards (see `MoE`): when `in` is
+        split the rows are partial sums, and only the first shard adds the bias."""
         w = self.quantized_weight() if self.quantized else self.weight[...]
         y = grouped_matmul(x_sorted, w, group_sizes)
         if self.bias is not None:
-            y = (y.astype(jnp.float32) + self.bias[...][row_expert].astype(jnp.float32))
-            y = y.astype(x_sorted.dtype)
+            bias = self.bias[...][row_expert].astype(jnp.float32)
+            if x_sorted.shape[1] != self.in_features:
+                bias = jnp.where(shard_index(self.axes[-1]) == 0, bias, 0.0)
+            y = (y.astype(jnp.float32) + bias).astype(x_sorted.dtype)
         return y
 
 
@@ -65,10 +70,10 @@ class Experts(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
         e, i = c.num_experts, c.moe_intermediate_size
-        self.gate_up_proj = ExpertLinear(e, c.hidden_size, 2 * i, bias=c.expert_bias,
-                                         dtype=dtype, rngs=rngs)
-        self.down_proj = ExpertLinear(e, i, c.hidden_size, bias=c.expert_bias, dtype=dtype,
-                                      rngs=rngs)
+        self.gate_up_proj = ExpertLinear(e, c.hidden_size, 2 * i, axes=P("mlp", "embed"),
+                                         bias=c.expert_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = ExpertLinear(e, i, c.hidden_size, axes=P("embed", "mlp"),
+                                      bias=c.expert_bias, dtype=dtype, rngs=rngs)
         self.config = c
 
     def activation(self, gate_up):
@@ -89,14 +94,15 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
-        self.router = Linear(c.hidden_size, c.num_experts, bias=c.router_bias, dtype=dtype,
-                             rngs=rngs)
+        # Every device scores every expert (the router is small), so its rows are not split.
+        self.router = Linear(c.hidden_size, c.num_experts, axes=P(None, "embed"),
+                             bias=c.router_bias, dtype=dtype, rngs=rngs)
         self.experts = Experts(c, dtype=dtype, rngs=rngs)
         if c.shared_expert_intermediate_size:
             self.shared_expert = MLP(c, intermediate_size=c.shared_expert_intermediate_size,
                                      dtype=dtype, rngs=rngs)
-            self.shared_expert_gate = Linear(c.hidden_size, 1, bias=False, dtype=dtype,
-                                             rngs=rngs)
+            self.shared_expert_gate = Linear(c.hidden_size, 1, axes=P(None, "embed"),
+                                             bias=False, dtype=dtype, rngs=rngs)
         else:
             self.shared_expert = self.shared_expert_gate = None
         self.config = c
@@ -107,29 +113,51 @@ class MoE(nnx.Module):
         Padding tokens (not `live`) are routed nowhere: their pairs sort last, past every
         group, so they make no expert's weights read (a padded decode batch of one token
         still reads only its k experts); their outputs are meaningless.
+
+        On a mesh every device routes all tokens, runs the rows of its own experts (ep) on
+        its columns of their MLPs (tp), and one psum over both axes combines.
         """
         c = self.config
-        T, k = x.shape[0], c.num_experts_per_tok
-        weights, experts = route(self.router(x).astype(jnp.float32), k, c.norm_topk_prob)
+        weights, experts = route(self.router(x).astype(jnp.float32), c.num_experts_per_tok,
+                                 c.norm_topk_prob)
         if live is not None:
             experts = jnp.where(live[:, None], experts, c.num_experts)
-        # Sort the T*k (token, expert) pairs by expert: row r of the grouped matmuls is pair
-        # order[r], i.e. token order[r] // k.
-        flat_experts = experts.reshape(-1)
-        order = jnp.argsort(flat_experts, stable=True)
-        row_expert = jnp.minimum(flat_experts[order], c.num_experts - 1)
-        # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
-        group_sizes = jnp.sum(flat_experts[:, None] == jnp.arange(c.num_experts)[None, :],
-                              axis=0, dtype=jnp.int32)
-        token = order // k
-        y_sorted = self.experts(x[token], group_sizes, row_expert)
-        # Combine: each row, scaled by its router weight, adds into its token (one
-        # scatter-add; padding pairs carry weight 0).
-        row_weight = jnp.where(flat_experts[order] < c.num_experts,
-                               weights.reshape(-1)[order], 0.0)
-        out = jnp.zeros((T, y_sorted.shape[1]), jnp.float32).at[token].add(
-            y_sorted.astype(jnp.float32) * row_weight[:, None])
+        graphdef, state = nnx.split(self.experts)
+        state_axes = jax.tree.map(lambda v: v.get_metadata()["axes"], state,
+                                  is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+        def local(state, x, weights, experts):
+            return _run_experts(nnx.merge(graphdef, state), x, weights, experts)
+
+        tokens = P("batch", None)
+        out = shard_map_logical(local, (state_axes, tokens, tokens, tokens), tokens,
+                                state, x, weights, experts)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
             out = out + gate * self.shared_expert(x).astype(jnp.float32)
         return out.astype(x.dtype)
+
+
+def _run_experts(experts: Experts, x, weights, expert_ids):
+    """This device's share of the MoE block: x [T, H], weights / expert_ids [T, k] (global
+    ids; num_experts = routed nowhere) -> float32 [T, H], summed over the devices."""
+    T, k = expert_ids.shape
+    num_local = experts.gate_up_proj.weight.shape[0]
+    # Pairs of other devices' experts, like padding, sort past every local group.
+    local = expert_ids - shard_index("experts") * num_local
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local).reshape(-1)
+    # Sort the T*k (token, expert) pairs by expert: row r of the grouped matmuls is pair
+    # order[r], i.e. token order[r] // k.
+    order = jnp.argsort(local, stable=True)
+    row_expert = jnp.minimum(local[order], num_local - 1)
+    # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
+    group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
+                          dtype=jnp.int32)
+    token = order // k
+    y_sorted = experts(x[token], group_sizes, row_expert)
+    # Combine: each row, scaled by its router weight, adds into its token (one scatter-add;
+    # pairs routed elsewhere carry weight 0).
+    row_weight = jnp.where(local[order] < num_local, weights.reshape(-1)[order], 0.0)
+    out = jnp.zeros((T, y_sorted.shape[1]), jnp.float32).at[token].add(
+        y_sorted.astype(jnp.float32) * row_weight[:, None])
+    return reduce_over(("experts", "mlp"), out)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# Eight CPU devices for the sharding tests (before jax starts; one device is still the default).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
 
 TEXT = (Path(__file__).parent / "data" / "reference_text.txt").read_text()
 

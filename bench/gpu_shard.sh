@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One lease for the sharding issue (8) on a 2-GPU (or 4-GPU) H200 machine: the GPU sharding
+# test, the memory planner against real allocation, and decode at batch 1 and 64 for
+# Llama-3-8B shape at tp=1 / tp=2 (/ tp=4), and a MoE shape at ep=1 / ep=2.
+#   device run (kind nvidia-h200-x2): bash bench/gpu_shard.sh [part...]   (carry: .whl)
+#   parts: tests plan dense profile moe
+source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
+export JAXINFER_CACHE=/tmp/jxcache NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+NGPU=$(nvidia-smi -L | wc -l)
+latency() {  # preset mesh batch tag
+  timeout -k 5 280 python3 -m jaxinfer.cli.main bench latency --preset "$1" --mesh "$2" \
+    --batch "$3" --input-len 512 --output-len 128 --kv-cache-gb 16 --max-num-seqs 64 \
+    --decode-steps 8 --record "$OUT/RESULTS.md" --json "$OUT/$4.json" > "$OUT/$4.log" 2>&1
+  echo "$4: $(grep -h 'per-token' "$OUT/$4.log" || tail -3 "$OUT/$4.log")"
+}
+for part in ${*:-tests plan dense moe}; do
+  case $part in
+  tests)
+    timeout -k 5 200 python3 -m pytest "$REPO/tests/test_sharding.py" -c "$REPO/pyproject.toml" \
+      --rootdir "$REPO" -m gpu --import-mode=importlib -q -rs -p no:cacheprovider \
+      > "$OUT/gpu_tests.log" 2>&1
+    tail -4 "$OUT/gpu_tests.log" ;;
+  plan)
+    for mesh in tp=1 tp=$NGPU; do
+      timeout -k 5 200 python3 "$REPO/bench/plan_check.py" --preset llama3-8b --mesh "$mesh" \
+        >> "$OUT/plan.log" 2>&1
+    done
+    grep -v "^WARNING" "$OUT/plan.log" | tail -30 ;;
+  dense)
+    for b in 1 64; do
+      latency llama3-8b tp=1 $b llama_tp1_b$b
+      latency llama3-8b tp=2 $b llama_tp2_b$b
+      [ "$NGPU" -ge 4 ] && latency llama3-8b tp=4 $b llama_tp4_b$b
+    done ;;
+  profile)  # where a tp=2 batch-1 decode step's time goes (kernel time per device)
+    (cd "$REPO/bench" && timeout -k 5 200 python3 host_overhead.py --preset llama3-8b --batch 1 \
+      --decode-steps 8 --mesh tp=2 --top 20 --json "$OUT/overhead_tp2.json" \
+      > "$OUT/overhead_tp2.log" 2>&1); grep -v "^WARNING" "$OUT/overhead_tp2.log" | tail -24 ;;
+  moe)
+    latency qwen3-30b-a3b ep=1 1 moe_ep1_b1
+    latency qwen3-30b-a3b ep=2 1 moe_ep2_b1 ;;
+  esac
+done

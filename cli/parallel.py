@@ -1,0 +1,47 @@
+"""The options every model-running command shares for meshes and multi-host jobs."""
+
+from __future__ import annotations
+
+import click
+
+
+def parallel_options(fn):
+    """--mesh, and --coordinator / --num-processes / --process-id (or their environment
+    variables) for a multi-process job; the command receives them as keyword arguments."""
+    opts = [
+        click.option("--mesh", default=None, metavar="SPEC",
+                     help="Split the model over devices: tp=N (tensor), ep=N (experts), dp=N "
+                          "(engine replicas), e.g. tp=2,ep=4 (default: one device)."),
+        click.option("--coordinator", envvar="JAXINFER_COORDINATOR", default=None,
+                     metavar="HOST:PORT",
+                     help="Multi-process job: process 0's address (jax.distributed)."),
+        click.option("--num-processes", envvar="JAXINFER_NUM_PROCESSES", default=None,
+                     type=click.IntRange(min=1), help="Multi-process job: processes in all."),
+        click.option("--process-id", envvar="JAXINFER_PROCESS_ID", default=None,
+                     type=click.IntRange(min=0),
+                     help="Multi-process job: this process (0 serves and schedules)."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def join_job(coordinator, num_processes, process_id) -> bool:
+    """Joins the multi-process job if one is given; True on process 0 (or alone)."""
+    from jaxinfer import multihost
+
+    multihost.initialize(coordinator, num_processes, process_id)
+    return multihost.is_leader()
+
+
+def random_or_path(model_path, preset, dtype, mesh):
+    """--preset: a random-weight model built straight onto the mesh; else the path."""
+    if not preset:
+        return model_path
+    import jax.numpy as jnp
+
+    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.sharding import MeshSpec
+
+    return random_model(preset_config(preset), jnp.dtype(dtype or "bfloat16"),
+                        mesh=MeshSpec.parse(mesh).meshes()[0])

@@ -1,0 +1,55 @@
+"""`jaxinfer plan`: per-device memory of a model on a mesh (`jaxinfer.plan`), nothing loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+
+
+@click.command()
+@click.option("--model", required=True, metavar="NAME|PATH",
+              help="A preset (llama3-8b, llama3-70b, qwen3-8b, qwen3-30b-a3b, mixtral-8x7b, "
+                   "gpt-oss-20b, tiny, tiny-moe) or a checkpoint (converted dir, HF dir, .gguf).")
+@click.option("--mesh", default=None, metavar="SPEC",
+              help="tp=N, ep=N, dp=N, e.g. tp=2,ep=4 (default: one device).")
+@click.option("--hbm-gb", required=True, type=click.FloatRange(min=0, min_open=True),
+              help="Memory per device in GiB (2^30 bytes), e.g. 141 for an H200.")
+@click.option("--context", default=None, type=click.IntRange(min=1),
+              help="Tokens per sequence for --max seqs (default: the model's context, capped "
+                   "at 8192).")
+@click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default=None,
+              help="Float dtype (default: as stored for a converted checkpoint, else bfloat16).")
+@click.option("--quantize", default=None, metavar="FORMAT",
+              help="Plan the projections quantized as `jaxinfer convert --quantize FORMAT` "
+                   "stores them (presets, HF / GGUF sources).")
+@click.option("--memory-fraction", default=0.9, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True),
+              help="Share of --hbm-gb the engine may use. JAX's allocator takes 0.75 unless "
+                   "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.")
+@click.option("--reserve-gb", default=None, type=click.FloatRange(min=0),
+              help="Per-device room for a step's temporaries (default: an estimate from "
+                   "--max-num-seqs and --max-num-batched-tokens, see jaxinfer.plan).")
+@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-num-batched-tokens", default=2048, show_default=True,
+              type=click.IntRange(min=1))
+@click.option("--json", "json_path", default=None, help="Write the plan as JSON.")
+def plan(model, mesh, hbm_gb, context, page_size, dtype, quantize, memory_fraction, reserve_gb,
+         max_num_seqs, max_num_batched_tokens, json_path):
+    """Weight bytes per device, KV pages that fit and concurrent sequences at a context."""
+    from jaxinfer.plan import GiB, model_tensors, plan_memory
+    from jaxinfer.sharding import MeshSpec
+
+    spec = MeshSpec.parse(mesh)  # a bad spec fails before the model is read
+    config, tensors = model_tensors(model, dtype, quantize)
+    result = plan_memory(config, spec, int(hbm_gb * GiB), tensors=tensors, page_size=page_size,
+                         context=context, memory_fraction=memory_fraction,
+                         reserve_bytes=None if reserve_gb is None else int(reserve_gb * GiB),
+                         max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, name=model)
+    click.echo(result.format())
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dataclasses.asdict(result), f, indent=2)

@@ -1,0 +1,366 @@
+"""Memory planner: what a model on a mesh needs on each device, computed without allocating.
+
+Per device of one ep x tp replica (every dp replica is a copy, so dp changes nothing here):
+
+  weights   the bytes of this device's shards of every parameter: the parameters' shapes and
+            dtypes as they would be loaded (a converted checkpoint's stored dtypes, read from
+            its Orbax metadata; else every float at `dtype`, and projections at `quantization`
+            if given), after the tp relayout (`ParamPlacer`: KV heads repeated up to tp), split
+            by the sharding rules of `jaxinfer.sharding` (all shards of a split are equal, so
+            every device of a replica holds the same bytes). 4-bit values count half a byte.
+  reserve   room kept for a step's temporaries (see `default_reserve`).
+  KV cache  the rest of hbm * memory_fraction, in pages: per layer a key and a value page
+            [page_size, num_kv_heads, head_dim] at the float dtype of the weights, split over
+            KV heads by tp like the k/v projections (`KV_PAGES_AXES`). The runner allocates
+            one more page than the engine uses (a scratch page), so the planner leaves room
+            for it.
+
+A page is one page on every device of the replica (each holds its KV heads' share of it), so
+pages, tokens and sequences are per replica; `kv_cache_bytes` is the `LLM(kv_cache_bytes=...)`
+(per replica, counting the KV heads of all tp devices) that gets exactly `num_pages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from jaxinfer.attention import KV_PAGES_AXES
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+from jaxinfer.sharding import (
+    MESH_AXES,
+    MeshSpec,
+    ParamPlacer,
+    logical_to_mesh,
+    mesh_axis_size,
+    param_axes,
+    sharded_config,
+)
+
+GiB = 1 << 30
+WORKSPACE_BYTES = 512 << 20  # XLA / cuBLAS workspaces, compiled programs, a step's inputs
+DEFAULT_CONTEXT_CAP = 8192  # the default --context: the model's context, capped here
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes are per device; pages, tokens and sequences per replica (see the module doc)."""
+
+    model: str
+    mesh: str
+    devices: int  # dp * ep * tp
+    hbm_bytes: int
+    memory_fraction: float
+    usable_bytes: int  # hbm_bytes * memory_fraction
+    weight_bytes: int
+    weight_bytes_by_dtype: dict[str, int]
+    reserve_bytes: int
+    kv_dtype: str
+    kv_bytes: int  # what the KV cache gets: usable - weights - reserve
+    page_size: int
+    page_bytes: int  # one page (k and v, every layer) on one device
+    num_pages: int  # pages the engine can use (the runner's scratch page is extra)
+    kv_tokens: int  # num_pages * page_size
+    max_model_len: int  # the longest sequence: num_pages * page_size, capped by the model
+    context: int
+    pages_per_seq: int
+    max_seqs: int  # sequences of `context` tokens held at once, per replica
+    dp: int
+    kv_cache_bytes: int  # the LLM(kv_cache_bytes=...) that gets num_pages pages
+
+    def format(self) -> str:
+        """A short table for the terminal."""
+        size = lambda b: f"{_size(b):>12}"  # noqa: E731
+        dtypes = ", ".join(f"{d} {_size(b)}" for d, b in self.weight_bytes_by_dtype.items())
+        seqs = f"{self.max_seqs} per replica"
+        if self.dp > 1:
+            seqs += f", {self.max_seqs * self.dp} in all (dp={self.dp})"
+        lines = [
+            f"model        {self.model}",
+            f"mesh         {self.mesh} ({self.devices} device{'s' * (self.devices > 1)})",
+            f"per device   {self.hbm_bytes / GiB:.2f} GiB x {self.memory_fraction:g} = "
+            f"{self.usable_bytes / GiB:.2f} GiB usable",
+            f"  weights  {size(self.weight_bytes)}  ({dtypes})",
+            f"  reserve  {size(self.reserve_bytes)}  (workspace, activations, logits)",
+            f"  KV cache {size(self.kv_bytes)}  ({self.kv_dtype}, {_size(self.page_bytes)} per "
+            f"page of {self.page_size} tokens)",
+            f"KV pages     {self.num_pages} ({self.kv_tokens} tokens; longest sequence "
+            f"{self.max_model_len})",
+            f"context      {self.context} tokens = {self.pages_per_seq} pages per sequence",
+            f"max seqs     {seqs}",
+            f"LLM(kv_cache_bytes={self.kv_cache_bytes})",
+        ]
+        return "\n".join(lines)
+
+
+def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes: int, *,
+                dtype: str = "bfloat16", quantization: str | None = None,
+                tensors: dict[str, jax.ShapeDtypeStruct] | None = None,
+                page_size: int = 16, context: int | None = None,
+                memory_fraction: float = 0.9, reserve_bytes: int | None = None,
+                max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                name: str = "the model") -> MemoryPlan:
+    """The plan of `config` on `mesh_spec` with `hbm_bytes` of memory per device.
+
+    tensors: checkpoint key -> shape and dtype as loaded (before the tp relayout), e.g. from
+    `model_tensors`; None: every parameter of the model at `dtype`, the decoder-block
+    projections quantized to `quantization` (a `jaxinfer.quant.parse_format` spelling) if
+    given. context: default the model's max_position_embeddings capped at 8192.
+    reserve_bytes: default `default_reserve(...)` for max_num_seqs and max_num_batched_tokens.
+    Raises JaxinferError if the mesh does not split the model or nothing is left for the KV
+    cache.
+    """
+    spec = mesh_spec if isinstance(mesh_spec, MeshSpec) else MeshSpec.parse(mesh_spec)
+    if page_size < 1 or not 0 < memory_fraction <= 1:
+        raise JaxinferError(f"page_size={page_size} must be >= 1 and memory_fraction="
+                            f"{memory_fraction} in (0, 1]")
+    spec.check(config, name)
+    if context is None:
+        context = min(config.max_position_embeddings, DEFAULT_CONTEXT_CAP)
+    if not 1 <= context <= config.max_position_embeddings:
+        raise JaxinferError(f"--context {context}: expected 1 to the model's "
+                            f"max_position_embeddings ({config.max_position_embeddings})")
+    model = _abstract_model(config)
+    if tensors is None:
+        tensors = float_tensors(config, dtype, quantization, model=model)
+    mesh = AbstractMesh((spec.ep, spec.tp), MESH_AXES)
+    placer = ParamPlacer(config, mesh, param_axes(model))
+    weights = weight_bytes_per_device(placer, tensors)
+    weight_total = sum(weights.values())
+    run_config = sharded_config(config, spec.tp)
+    kv_dtype = jnp.dtype(tensors["embed.embedding"].dtype)
+    page_bytes = kv_page_bytes(run_config, page_size, kv_dtype, mesh)
+    if reserve_bytes is None:
+        reserve_bytes = default_reserve(run_config, spec.tp, max_num_seqs,
+                                        max_num_batched_tokens)
+    usable = int(hbm_bytes * memory_fraction)
+    where = f"{name} on {spec}"
+    if weight_total > usable:
+        raise JaxinferError(
+            f"{where}: the weights do not fit: {_size(weight_total)} per device, "
+            f"{_size(usable)} usable ({_size(hbm_bytes)} x {memory_fraction:g}); split them over "
+            "more devices (tp, ep) or quantize them")
+    kv_bytes = usable - weight_total - reserve_bytes
+    num_pages = kv_bytes // page_bytes - 1  # the runner adds a scratch page
+    if num_pages < 1:
+        raise JaxinferError(
+            f"{where}: no room for the KV cache: weights {_size(weight_total)} + "
+            f"reserve {_size(reserve_bytes)} per device leave less than 2 pages of "
+            f"{_size(page_bytes)} of the {_size(usable)} usable")
+    pages_per_seq = -(-context // page_size)
+    return MemoryPlan(
+        model=name, mesh=str(spec), devices=spec.size, hbm_bytes=int(hbm_bytes),
+        memory_fraction=memory_fraction, usable_bytes=usable,
+        weight_bytes=weight_total, weight_bytes_by_dtype=weights,
+        reserve_bytes=reserve_bytes, kv_dtype=kv_dtype.name, kv_bytes=kv_bytes,
+        page_size=page_size, page_bytes=page_bytes, num_pages=num_pages,
+        kv_tokens=num_pages * page_size,
+        max_model_len=min(config.max_position_embeddings, num_pages * page_size),
+        context=context, pages_per_seq=pages_per_seq, max_seqs=num_pages // pages_per_seq,
+        dp=spec.dp, kv_cache_bytes=num_pages * page_bytes * spec.tp)
+
+
+def _size(b: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b} bytes"
+
+
+def shard_bytes(shape, dtype, axes, mesh) -> int:
+    """Bytes of one device's shard of an array of `shape` with logical `axes` on `mesh`."""
+    split = logical_to_mesh(axes, shape, mesh)
+    local = [d // mesh_axis_size(mesh, a) for d, a in zip(shape, tuple(split), strict=False)]
+    local += list(shape[len(local):])
+    return math.ceil(math.prod(local) * _bits(dtype) / 8)
+
+
+def _bits(dtype) -> int:
+    """Bits per element: 4 for int4 / float4 (two per byte on the device), else 8 * itemsize."""
+    import ml_dtypes
+
+    dtype = jnp.dtype(dtype)
+    info = ml_dtypes.iinfo if jnp.issubdtype(dtype, jnp.integer) else ml_dtypes.finfo
+    try:
+        return info(dtype).bits
+    except ValueError:  # bool and the like
+        return 8 * dtype.itemsize
+
+
+def weight_bytes_per_device(placer: ParamPlacer, tensors: dict[str, jax.ShapeDtypeStruct]
+                            ) -> dict[str, int]:
+    """dtype name -> bytes of one device's shards of `tensors` (as loaded) once `placer` has
+    laid them out on its mesh (an AbstractMesh will do), largest first."""
+    out: dict[str, int] = {}
+    for key, t in tensors.items():
+        shape = placer.final_shape(key, t.shape) if placer.needs_transform(key) else t.shape
+        name = jnp.dtype(t.dtype).name
+        out[name] = out.get(name, 0) + shard_bytes(tuple(shape), t.dtype, placer.axes(key),
+                                                   placer.mesh)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _abstract_model(config: ModelConfig):
+    """The model of `config` as shapes only (float32; dtypes come from the tensors)."""
+    from jaxinfer.models import Decoder
+
+    return nnx.eval_shape(lambda: Decoder(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+
+
+def kv_page_bytes(run_config: ModelConfig, page_size: int, dtype, mesh) -> int:
+    """One page (a key and a value page in every layer) on one device; run_config: the
+    config the model runs with (`sharded_config`)."""
+    shape = (1, page_size, run_config.num_kv_heads, run_config.head_dim)
+    return 2 * run_config.num_layers * shard_bytes(shape, dtype, KV_PAGES_AXES, mesh)
+
+
+def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int = 64,
+                    max_num_batched_tokens: int = 2048) -> int:
+    """Memory kept free of weights and KV pages on each device, for a step's temporaries:
+
+      512 MiB   XLA / cuBLAS workspaces, compiled programs, a step's inputs;
+      + activations: max_num_batched_tokens x (hidden + the widest per-device projection
+        output: q/k/v, gate_up of the dense MLP, or the routed copies of the MoE's
+        gate_up) float32 values, twice (a layer's input and output are live together);
+      + logits: max_num_seqs x vocab float32 values, four times (the logits and the
+        sampler's scaled / sorted / softmax copies).
+
+    For llama3-8b at tp=1 with the serve defaults (64 sequences, 2048 tokens) this is
+    about 1.1 GiB. A heuristic, not a measurement; pass reserve_bytes to override it.
+    """
+    c = run_config
+    widths = [(c.num_heads + 2 * c.num_kv_heads) * c.head_dim // tp]
+    if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
+        widths.append(2 * c.intermediate_size // tp)
+    if c.is_moe:
+        widths.append((c.num_experts_per_tok * 2 * c.moe_intermediate_size
+                       + 2 * c.shared_expert_intermediate_size) // tp)
+    activations = max_num_batched_tokens * (c.hidden_size + max(widths)) * 4 * 2
+    logits = max_num_seqs * c.vocab_size * 4 * 4
+    return WORKSPACE_BYTES + activations + logits
+
+
+# -- what a model would load ---------------------------------------------------------------------
+
+
+def float_tensors(config: ModelConfig, dtype: str = "bfloat16", quantization: str | None = None,
+                  quantized: dict | None = None, model=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every parameter of `config`'s model at `dtype` (nothing allocated); the decoder-block
+    projections quantized to `quantization` if given, or those in `quantized` (key ->
+    QuantFormat) to theirs: values [..., N, K], float32 scales [..., K // g, N] (and
+    offsets like them for asymmetric formats). model: the abstract model, if at hand."""
+    from jaxinfer.checkpoint import DTYPES, OFFSET, SCALE
+    from jaxinfer.models.layers import is_quantizable
+    from jaxinfer.quant import VALUE_DTYPES, parse_format
+
+    if dtype not in DTYPES:
+        raise JaxinferError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    fmt = None if quantization in (None, "none") else parse_format(quantization)
+    model = _abstract_model(config) if model is None else model
+    out = {}
+    for path, var in nnx.state(model, nnx.Param).flat_state():
+        key, shape = ".".join(map(str, path)), tuple(var.shape)
+        f = fmt if fmt is not None and is_quantizable(key) else (quantized or {}).get(key)
+        if f is None:
+            out[key] = jax.ShapeDtypeStruct(shape, DTYPES[dtype])
+            continue
+        *stack, n, k = shape
+        if f.group_size and k % f.group_size:
+            raise JaxinferError(f"--quantize {f}: tensor {key} has in_features K={k}, not a "
+                                f"multiple of the group size {f.group_size}")
+        scales = jax.ShapeDtypeStruct((*stack, k // (f.group_size or k), n), jnp.float32)
+        out[key] = jax.ShapeDtypeStruct(shape, VALUE_DTYPES[f.kind])
+        out[key + SCALE] = scales
+        if f.asymmetric:
+            out[key + OFFSET] = scales
+    return out
+
+
+def model_tensors(model: str, dtype: str | None = None, quantization: str | None = None
+                  ) -> tuple[ModelConfig, dict[str, jax.ShapeDtypeStruct]]:
+    """(config, parameters as loaded) of a preset name or a checkpoint path, read without
+    loading any weights.
+
+    A converted checkpoint: its stored shapes and dtypes (Orbax metadata), floats cast to
+    `dtype` if given, as `load_model` does. An HF directory or .gguf file: floats at `dtype`
+    (default bfloat16) and its own quantized tensors as they load (a GGUF's Q4_0 / Q4_1 /
+    Q8_0 projections, gpt-oss MXFP4 experts). A preset: floats at `dtype`. `quantization`
+    (not for converted checkpoints) plans the projections quantized as `jaxinfer convert
+    --quantize` would store them.
+    """
+    from jaxinfer import checkpoint
+    from jaxinfer.presets import PRESETS
+
+    if model in PRESETS:
+        return PRESETS[model], float_tensors(PRESETS[model], dtype or "bfloat16", quantization)
+    path = Path(model)
+    if not path.exists():
+        raise JaxinferError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor an "
+                            "existing path")
+    if checkpoint.is_converted(path):
+        if quantization is not None:
+            raise JaxinferError(f"{path}: a converted checkpoint is planned as stored; "
+                                "--quantize applies to presets and HF / GGUF sources")
+        return _converted_tensors(path, dtype)
+    source = checkpoint.open_source(path)
+    native = {} if quantization is not None else _native_formats(source)
+    return source.config, float_tensors(source.config, dtype or "bfloat16", quantization,
+                                        native)
+
+
+def _converted_tensors(path: Path, dtype: str | None):
+    from jaxinfer import checkpoint
+
+    config = ModelConfig.from_json_file(path / checkpoint.CONFIG_FILE)
+    weights_dir = path / checkpoint.WEIGHTS_DIR
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Orbax's experimental-API notices
+            stored = checkpoint._ocp().metadata(weights_dir.absolute()).metadata
+    except Exception as e:
+        raise JaxinferError(f"{weights_dir}: cannot read checkpoint metadata ({e})") from None
+    checkpoint._check_stored(weights_dir, checkpoint.expected_shapes(config), stored)
+    if dtype is not None and dtype not in checkpoint.DTYPES:
+        raise JaxinferError(f"--dtype {dtype!r}: expected one of {', '.join(checkpoint.DTYPES)}")
+    return config, {k: jax.ShapeDtypeStruct(tuple(m.shape),
+                                            checkpoint._restore_dtype(k, m.dtype, dtype, stored))
+                    for k, m in stored.items()}
+
+
+def _native_formats(source) -> dict:
+    """key -> QuantFormat of the tensors a source loads quantized (names only; no data read)."""
+    import re
+
+    from jaxinfer.gguf_source import GGUFSource, gguf_key
+    from jaxinfer.models.layers import is_quantizable
+    from jaxinfer.quant import parse_format
+
+    out = {}
+    if isinstance(source, GGUFSource):
+        formats = {"Q4_0": "int4:g32", "Q4_1": "int4:g32:asym", "Q8_0": "int8:g32"}
+        for t in source.reader.tensors:
+            key, kind = gguf_key(t.name), t.tensor_type.name
+            if key is not None and kind in formats and is_quantizable(key):
+                out[key] = parse_format(formats[kind])
+        return out
+    from safetensors import safe_open
+
+    mxfp4 = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_blocks")
+    for file in source.files:
+        try:
+            with safe_open(file, framework="numpy") as f:
+                names = list(f.keys())
+        except Exception as e:
+            raise JaxinferError(f"{file}: truncated or corrupt safetensors file ({e})") from None
+        for name in names:
+            if m := mxfp4.fullmatch(name):
+                out[f"layers.{m[1]}.mlp.experts.{m[2]}.weight"] = parse_format("mxfp4")
+    return out

@@ -1,0 +1,293 @@
+"""Meshes, and the one table that maps logical axes to mesh axes.
+
+Model code names the axes of its parameters (an `axes=` PartitionSpec of logical names on
+each `nnx.Param`) and of the activations its kernels take, never mesh axes;
+`LOGICAL_AXIS_RULES` maps each logical name to a mesh axis. A mesh spec such as
+`tp=2,ep=4,dp=1` gives
+
+  tp  tensor parallel: attention heads, KV heads, MLP columns and the vocabulary split;
+      column-split projections feed row-split ones, so a block ends in one all-reduce.
+  ep  expert parallel: each device holds num_experts / ep experts; every device sees all
+      tokens, runs its experts' rows and one psum combines (see `jaxinfer.models.moe`).
+  dp  data parallel: independent engine replicas, each on its own ep x tp sub-mesh
+      (`ReplicatedEngine`), so "dp" is never an axis inside a model's mesh.
+
+When tp exceeds the model's KV heads, each KV head is repeated tp / num_kv_heads times
+(vLLM's choice): every device then holds the one KV head its query heads read.
+
+Float projections are partitioned by XLA (GSPMD) from the parameters' shardings; the
+kernels (attention, quantized and grouped matmuls) are custom calls XLA cannot split, so
+their callers wrap them in `shard_map_logical`, which runs them on each device's shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+
+MESH_AXES = ("ep", "tp")  # the axes of one replica's mesh (dp replicas are separate meshes)
+
+# THE table: logical axis -> mesh axis (None: replicated on every device).
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "batch": None,      # a step's tokens and sequences: every device sees the whole batch
+    "vocab": "tp",      # embedding rows, LM-head rows, logits
+    "embed": None,      # the residual stream (hidden_size)
+    "heads": "tp",      # query heads (q_proj rows, o_proj columns, sinks)
+    "kv_heads": "tp",   # KV heads (k/v_proj rows, the KV cache pages' head axis)
+    "head_dim": None,
+    "mlp": "tp",        # MLP and expert intermediate columns
+    "experts": "ep",    # expert stacks
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """dp x ep x tp devices (see the module docstring)."""
+
+    dp: int = 1
+    ep: int = 1
+    tp: int = 1
+
+    @classmethod
+    def parse(cls, text: str | None) -> MeshSpec:
+        """'tp=2,ep=4,dp=1' (any order, omitted axes 1; '' or None: one device)."""
+        sizes = {}
+        for part in filter(None, (p.strip() for p in (text or "").split(","))):
+            m = re.fullmatch(r"(\w+)\s*=\s*(\d+)", part)
+            if not m or m[1] not in ("dp", "ep", "tp") or int(m[2]) < 1 or m[1] in sizes:
+                raise JaxinferError(f"--mesh {text!r}: expected comma-separated tp=N, ep=N, "
+                                    f"dp=N with N >= 1, each at most once (bad part {part!r})")
+            sizes[m[1]] = int(m[2])
+        return cls(**sizes)
+
+    @property
+    def replica_size(self) -> int:
+        return self.ep * self.tp
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.ep * self.tp
+
+    def __str__(self):
+        return f"tp={self.tp},ep={self.ep},dp={self.dp}"
+
+    def check(self, config: ModelConfig, where: str = "the model"):
+        """One-line errors for a mesh the model's shapes cannot be split over."""
+        c, tp, ep = config, self.tp, self.ep
+        problems = []
+        if c.num_heads % tp:
+            problems.append(f"num_heads={c.num_heads} is not divisible by tp={tp}")
+        if c.num_kv_heads % tp and tp % c.num_kv_heads:
+            problems.append(f"num_kv_heads={c.num_kv_heads} neither divides nor is divisible "
+                            f"by tp={tp}")
+        dense_layers = [i for i in range(c.num_layers) if not c.is_moe_layer(i)]
+        if dense_layers and c.intermediate_size % tp:
+            problems.append(f"intermediate_size={c.intermediate_size} is not divisible by "
+                            f"tp={tp}")
+        if ep > 1 and not c.is_moe:
+            problems.append(f"ep={ep} needs a mixture-of-experts model")
+        if c.is_moe:
+            if c.num_experts % ep:
+                problems.append(f"num_experts={c.num_experts} is not divisible by ep={ep}")
+            if c.moe_intermediate_size % tp:
+                problems.append(f"moe_intermediate_size={c.moe_intermediate_size} is not "
+                                f"divisible by tp={tp}")
+            if c.shared_expert_intermediate_size % tp:
+                problems.append(f"shared_expert_intermediate_size="
+                                f"{c.shared_expert_intermediate_size} is not divisible by "
+                                f"tp={tp}")
+        if problems:
+            raise JaxinferError(f"--mesh {self}: {where}: {'; '.join(problems)}")
+
+    def meshes(self, devices=None) -> list[Mesh]:
+        """One ep x tp mesh per dp replica, over consecutive devices (tp fastest, so a tp
+        group stays on one host)."""
+        devices = list(jax.devices() if devices is None else devices)
+        if self.size > len(devices):
+            raise JaxinferError(f"--mesh {self}: needs {self.size} devices, "
+                                f"{len(devices)} visible")
+        grid = np.array(devices[:self.size], dtype=object).reshape(self.dp, self.ep, self.tp)
+        return [Mesh(g, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES)) for g in grid]
+
+
+def step_compiler_options(mesh: Mesh) -> dict[str, str]:
+    """XLA options for a step sharded over several GPUs of one host: the small all-reduces
+    of decode (one [tokens, hidden] per block) run as XLA's one-shot all-reduce kernel,
+    which reads the peers' buffers directly over NVLink (peer-to-peer; no NVLink multicast),
+    instead of an NCCL launch. XLA falls back to NCCL where the kernel does not apply
+    (large inputs, several hosts). JAXINFER_ONE_SHOT_ALL_REDUCE=0 turns it off."""
+    import os
+
+    if (mesh.size == 1 or mesh.devices.flat[0].platform != "gpu"
+            or os.environ.get("JAXINFER_ONE_SHOT_ALL_REDUCE") == "0"):
+        return {}
+    return {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
+
+
+def sharded_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The config a tp-way model runs with: KV heads repeated up to tp when tp exceeds them."""
+    if tp > config.num_kv_heads:
+        return dataclasses.replace(config, num_kv_heads=tp)
+    return config
+
+
+def mesh_axis_size(mesh, axis: str | None) -> int:
+    return 1 if axis is None or axis not in mesh.axis_names else mesh.shape[axis]
+
+
+def logical_to_mesh(axes: P, shape=None, mesh=None) -> P:
+    """A PartitionSpec of logical names -> one of mesh axes (LOGICAL_AXIS_RULES). A dim whose
+    size (when `shape` is given) the mesh axis does not divide is replicated."""
+    out = []
+    for i, name in enumerate(axes):
+        axis = LOGICAL_AXIS_RULES[name] if name is not None else None
+        if mesh is not None and mesh_axis_size(mesh, axis) == 1:
+            axis = None
+        if axis is not None and shape is not None and shape[i] % mesh.shape[axis]:
+            axis = None
+        out.append(axis)
+    return P(*out)
+
+
+def current_mesh():
+    """The mesh the step is being traced under (`jax.set_mesh`), or None on one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
+def shard_map_logical(fn, in_axes, out_axes, *args):
+    """fn(*args) run per device on its shards when a mesh is active (else just fn(*args)).
+
+    in_axes / out_axes: pytrees (prefixes of args / of fn's result) of PartitionSpecs of
+    logical names; an input dim its mesh axis does not divide is passed whole. fn sees
+    local shapes and may use collectives over the mesh axes (e.g. `jax.lax.psum`).
+    """
+    mesh = current_mesh()
+    if mesh is None:
+        return fn(*args)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    in_specs = jax.tree.map(
+        lambda spec, arg: jax.tree.map(lambda a: logical_to_mesh(spec, a.shape, mesh), arg),
+        tuple(in_axes), tuple(args), is_leaf=is_spec)
+    out_specs = jax.tree.map(lambda spec: logical_to_mesh(spec, None, mesh), out_axes,
+                             is_leaf=is_spec)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*args)
+
+
+def reduce_over(mesh_axes_logical: tuple[str, ...], x):
+    """psum of x over the mesh axes the logical axes map to (inside shard_map_logical)."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    axes = tuple(a for name in mesh_axes_logical
+                 if (a := LOGICAL_AXIS_RULES[name]) is not None and mesh_axis_size(mesh, a) > 1)
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def shard_index(logical: str) -> jax.Array | int:
+    """This device's index along the mesh axis of a logical axis (inside shard_map_logical)."""
+    mesh = current_mesh()
+    axis = LOGICAL_AXIS_RULES[logical]
+    if mesh is None or mesh_axis_size(mesh, axis) == 1:
+        return 0
+    return jax.lax.axis_index(axis)
+
+
+# -- placing parameters -------------------------------------------------------------------------
+
+_KV_PROJ = re.compile(r"layers\.\d+\.attn\.[kv]_proj\.(weight|bias|weight_scale|weight_offset)")
+_GATE_UP = re.compile(r"layers\.\d+\.mlp\.experts\.gate_up_proj\."
+                      r"(weight|bias|weight_scale|weight_offset)")
+
+
+class ParamPlacer:
+    """Where each checkpoint tensor of a model goes on a mesh, and the layout changes tp needs.
+
+    `param_axes` maps a checkpoint key to its logical axes (from the model's `axes` metadata).
+    `place(key, array)` takes the tensor as stored (numpy on the host, or a jax array) and
+    returns it on the mesh, each device holding only its shard:
+      * k/v projections are repeated per KV head when tp > num_kv_heads;
+      * an expert stack's fused gate_up rows [gate | up] are regrouped so that each tp shard
+        holds [its gate columns | its up columns] (the activation splits the halves locally).
+    """
+
+    def __init__(self, config: ModelConfig, mesh: Mesh, param_axes: dict[str, P],
+                 relayout: bool = True):
+        """relayout=False: the tensors have the tp layout already (a copy of a placed model)."""
+        self.config, self.mesh, self.param_axes = config, mesh, param_axes
+        self.tp = mesh_axis_size(mesh, "tp")
+        self.kv_repeat = max(self.tp // config.num_kv_heads, 1) if relayout else 1
+        self.regroup = self.tp > 1 and relayout
+        self.model_config = sharded_config(config, self.tp)  # what the placed model runs
+
+    def axes(self, key: str) -> P:
+        return self.param_axes[key]
+
+    def sharding(self, key: str, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_to_mesh(self.axes(key), shape, self.mesh))
+
+    def _transform(self, key: str, a, xp):
+        # The out-features axis: weight [..., N, K]; bias [..., N]; scale / offset [..., G, N].
+        axis_of_out = -2 if key.endswith(".weight") else -1
+        if self.kv_repeat > 1 and _KV_PROJ.fullmatch(key):
+            a = xp.moveaxis(a, axis_of_out, 0)
+            heads = a.reshape(self.config.num_kv_heads, -1, *a.shape[1:])
+            a = xp.repeat(heads, self.kv_repeat, axis=0).reshape(-1, *a.shape[1:])
+            return xp.moveaxis(a, 0, axis_of_out)
+        if self.regroup and _GATE_UP.fullmatch(key):
+            a = xp.moveaxis(a, axis_of_out, 0)
+            n = a.shape[0]
+            a = a.reshape(2, self.tp, n // (2 * self.tp), *a.shape[1:])
+            a = xp.swapaxes(a, 0, 1).reshape(n, *a.shape[3:])
+            return xp.moveaxis(a, 0, axis_of_out)
+        return a
+
+    def needs_transform(self, key: str) -> bool:
+        return bool((self.kv_repeat > 1 and _KV_PROJ.fullmatch(key))
+                    or (self.regroup and _GATE_UP.fullmatch(key)))
+
+    def final_shape(self, key: str, shape) -> tuple[int, ...]:
+        return tuple(jax.eval_shape(lambda a: self._transform(key, a, jnp),
+                                    jax.ShapeDtypeStruct(tuple(shape), jnp.float32)).shape)
+
+    def place(self, key: str, array) -> jax.Array:
+        if not isinstance(array, jax.Array):  # on the host: each device gets its slice
+            array = self._transform(key, np.asarray(array), np)
+            return jax.make_array_from_callback(array.shape,
+                                                self.sharding(key, array.shape),
+                                                lambda index: array[index])
+        array = jax.device_put(array, self.sharding(key, array.shape))
+        if not self.needs_transform(key):
+            return array
+        target = self.sharding(key, self.final_shape(key, array.shape))
+        return jax.jit(lambda a: self._transform(key, a, jnp), out_shardings=target)(array)
+
+
+def param_axes(model) -> dict[str, P]:
+    """Checkpoint key -> logical axes, for every parameter of a (possibly abstract) model;
+    quantized parts (`weight_scale`, `weight_offset` [..., K // g, N]) included whether or not
+    the model holds them yet."""
+    from flax import nnx
+
+    out = {}
+    for path, var in nnx.state(model, nnx.Param).flat_state():
+        key = ".".join(str(p) for p in path)
+        axes = var.get_metadata().get("axes")
+        if axes is None:
+            raise ValueError(f"parameter {key} names no logical axes")
+        out[key] = axes
+        if key.endswith(".weight") and len(axes) >= 2:
+            *stack, n, k = axes
+            for part in ("weight_scale", "weight_offset"):
+                out[key.removesuffix("weight") + part] = P(*stack, k, n)
+    return out

@@ -1,0 +1,168 @@
+"""The memory planner (`jaxinfer plan`) against real allocations on 8 CPU devices (conftest):
+weight bytes per device of presets and of a quantized converted checkpoint, KV page bytes
+per device of the runner's cache; the command's output and its one-line errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from flax import nnx
+
+from jaxinfer import checkpoint
+from jaxinfer.cli.main import cli
+from jaxinfer.errors import JaxinferError
+from jaxinfer.plan import GiB, float_tensors, model_tensors, plan_memory
+from jaxinfer.presets import preset_config, random_model
+from jaxinfer.runner import ModelRunner
+from jaxinfer.sharding import MeshSpec
+
+HBM = 64 * GiB
+
+
+def _mesh(spec: str):
+    s = MeshSpec.parse(spec)
+    if jax.device_count() < s.size:
+        pytest.skip(f"needs {s.size} devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    return s.meshes()[0]
+
+
+def _bytes_per_device(arrays, mesh) -> list[int]:
+    """Bytes each device of `mesh` holds of `arrays` (its shards' real allocation)."""
+    per = {d: 0 for d in mesh.devices.flat}
+    for a in arrays:
+        for shard in a.addressable_shards:
+            per[shard.device] += shard.data.on_device_size_in_bytes()
+    return list(per.values())
+
+
+def _param_bytes(model, mesh) -> list[int]:
+    return _bytes_per_device(jax.tree.leaves(nnx.state(model, nnx.Param)), mesh)
+
+
+CASES = [("tiny", "tp=1"), ("tiny", "tp=2"), ("tiny", "tp=4"),  # tp=4: KV heads repeated
+         ("tiny-moe", "ep=2"), ("tiny-moe", "tp=2,ep=2")]
+
+
+@pytest.mark.parametrize("preset, spec", CASES)
+def test_weight_bytes_match_allocation(preset, spec):
+    mesh = _mesh(spec)
+    config = preset_config(preset)
+    plan = plan_memory(config, spec, HBM, dtype="float32", name=preset)
+    per_device = _param_bytes(random_model(config, jnp.float32, mesh=mesh), mesh)
+    assert plan.weight_bytes == max(per_device)
+    assert plan.weight_bytes_by_dtype == {"float32": plan.weight_bytes}
+    if MeshSpec.parse(spec).replica_size > 1:  # really split, not a whole copy per device
+        whole = plan_memory(config, "tp=1", HBM, dtype="float32").weight_bytes
+        assert plan.weight_bytes < whole
+
+
+@pytest.mark.parametrize("preset, spec", CASES)
+def test_kv_page_bytes_match_runner(preset, spec):
+    mesh = _mesh(spec)
+    config = preset_config(preset)
+    plan = plan_memory(config, spec, HBM, dtype="float32")
+    num_pages = 5
+    runner = ModelRunner(random_model(config, jnp.float32, mesh=mesh), num_pages, 16, 256,
+                         mesh=mesh)
+    per_device = _bytes_per_device(jax.tree.leaves(runner.kv_cache), mesh)
+    assert len(set(per_device)) == 1
+    assert plan.page_bytes * (num_pages + 1) == per_device[0]  # + the scratch page
+    # The LLM argument the plan names gets exactly its pages.
+    c = runner.config
+    assert plan.kv_cache_bytes // (2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4) \
+        == plan.num_pages
+
+
+def _write_converted(path: Path, config, quantize: str) -> Path:
+    """A converted checkpoint of random float32 weights, the projections stored quantized
+    (values, float32 scales and offsets), as `jaxinfer convert --quantize` lays them out."""
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for key, t in float_tensors(config, "float32", quantize).items():
+        if jnp.issubdtype(t.dtype, jnp.integer):
+            arrays[key] = rng.integers(-8, 8, t.shape).astype(t.dtype)
+        else:
+            arrays[key] = (1 + rng.random(t.shape)).astype(t.dtype)
+    path.mkdir()
+    config = dataclasses.replace(config, quantization=quantize)
+    (path / checkpoint.CONFIG_FILE).write_text(config.to_json())
+    ocp = checkpoint._ocp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ocp.partial.save(path / checkpoint.WEIGHTS_DIR, arrays)
+        ocp.partial.finalize(path / checkpoint.WEIGHTS_DIR)
+    return path
+
+
+def test_quantized_checkpoint_matches_allocation(tmp_path):
+    """A converted int4:g32:asym checkpoint is planned from its stored dtypes: int4 values
+    (half a byte each), float32 scales and offsets, float32 rest (bfloat16 when the load
+    casts them); checked at tp=1, tp=2 and tp=4 (KV heads repeated) against the load."""
+    path = _write_converted(tmp_path / "q", preset_config("tiny"), "int4:g32:asym")
+    for spec, dtype in [("tp=1", None), ("tp=2", "bfloat16"), ("tp=4", None)]:
+        mesh = _mesh(spec)
+        config, tensors = model_tensors(str(path), dtype)
+        plan = plan_memory(config, spec, HBM, tensors=tensors)
+        assert set(plan.weight_bytes_by_dtype) == {"int4", "float32", dtype or "float32"}
+        per_device = _param_bytes(checkpoint.load_model(path, dtype=dtype, mesh=mesh), mesh)
+        assert plan.weight_bytes == max(per_device), spec
+        assert plan.kv_dtype == (dtype or "float32")
+
+
+def test_plan_arithmetic():
+    """Pages, tokens and sequences follow from the bytes; quantizing halves int4 values."""
+    config = preset_config("llama3-8b")
+    plan = plan_memory(config, "tp=2", 141 * GiB, context=4096)
+    assert plan.page_bytes == 2 * 32 * 16 * (8 // 2) * 128 * 2
+    assert plan.kv_bytes == plan.usable_bytes - plan.weight_bytes - plan.reserve_bytes
+    assert plan.num_pages == plan.kv_bytes // plan.page_bytes - 1
+    assert plan.max_seqs == plan.num_pages // 256 and plan.pages_per_seq == 256
+    assert plan.kv_tokens == plan.num_pages * 16
+    tiny = preset_config("tiny")  # 2 layers of q, k, v, o [64|32, 64], gate, up, down 64x128
+    int8 = plan_memory(tiny, "tp=1", GiB, quantization="int8").weight_bytes_by_dtype
+    int4 = plan_memory(tiny, "tp=1", GiB, quantization="int4").weight_bytes_by_dtype
+    projections = 2 * (64 * (64 + 32 + 32 + 64) + 3 * 64 * 128)
+    assert int8["int8"] == projections and int4["int4"] == projections // 2
+    scales = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 64) * 4  # float32 per output channel
+    assert int8["float32"] == int4["float32"] == scales
+    with pytest.raises(JaxinferError, match="weights do not fit"):
+        plan_memory(config, "tp=1", 10 * GiB)
+    with pytest.raises(JaxinferError, match="no room for the KV cache"):
+        plan_memory(config, "tp=1", 16 * GiB, memory_fraction=1.0)
+    with pytest.raises(JaxinferError, match="num_heads=32 is not divisible by tp=3"):
+        plan_memory(config, "tp=3", 141 * GiB)
+
+
+def test_cli(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "plan.json"
+    result = runner.invoke(cli, ["plan", "--model", "tiny", "--mesh", "tp=2", "--hbm-gb", "1",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    expected = plan_memory(preset_config("tiny"), "tp=2", GiB, name="tiny")
+    assert saved == json.loads(json.dumps(expected.__dict__))
+    assert str(expected.num_pages) in result.output and "tp=2,ep=1,dp=1" in result.output
+    assert saved["context"] == 1024 and saved["max_seqs"] == expected.num_pages // 64
+
+    result = runner.invoke(cli, ["plan", "--model", "tiny", "--mesh", "tp=2",
+                                 "--hbm-gb", "0.0001"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].lower().startswith("error:"), result.output
+    assert "the weights do not fit" in lines[0]
+
+    for bad in (["--mesh", "tp=two"], ["--mesh", "tp=3"], ["--model", "no-such-model"]):
+        args = ["plan", "--model", "tiny", "--hbm-gb", "1", *bad]
+        result = runner.invoke(cli, args)
+        assert result.exit_code == 1, (bad, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output

@@ -1,0 +1,200 @@
+"""Sharding on 8 CPU devices (conftest): tensor, expert and data parallel runs give the
+unsharded model's logits (float32, 1e-5) and greedy text; mesh specs and bad splits fail
+cleanly; two real processes (`jax.distributed`, CPU collectives) run one sharded generation.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.checkpoint import convert
+from jaxinfer.cli.main import cli
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import JaxinferError
+from jaxinfer.presets import preset_config
+from jaxinfer.sharding import MeshSpec
+
+from .conftest import VOCAB
+
+KV_BYTES = 1 << 22
+
+
+def _prompts(seed=0, lengths=(7, 19, 3, 33)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, VOCAB, n).tolist() for n in lengths]
+
+
+def _max_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b]
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def unsharded_logits():
+    cache = {}
+
+    def get(path, prompts):
+        key = (str(path), json.dumps(prompts))
+        if key not in cache:
+            cache[key] = LLM(path, dtype="float32", kv_cache_bytes=KV_BYTES).logits(prompts)
+        return cache[key]
+
+    return get
+
+
+def test_eight_devices():
+    assert jax.device_count() == 8  # the conftest flag took effect
+
+
+@pytest.mark.parametrize("mesh", ["tp=1", "tp=2", "tp=4"])
+def test_dense_tensor_parallel_logits(hf_models, unsharded_logits, mesh):
+    """llama (4 heads, 2 KV heads): tp=4 repeats each KV head on two devices."""
+    prompts = _prompts()
+    llm = LLM(hf_models["llama"], dtype="float32", kv_cache_bytes=KV_BYTES, mesh=mesh)
+    tp = MeshSpec.parse(mesh).tp
+    assert llm.runner.mesh.size == tp
+    assert llm.config.num_kv_heads == max(2, tp)
+    q = llm.model.layers[0].attn.q_proj.weight[...]
+    assert len(q.sharding.device_set) == tp
+    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0] // tp, q.shape[1])}
+    k_pages = llm.runner.kv_cache[0][0]
+    assert {s.data.shape[2] for s in k_pages.addressable_shards} == {llm.config.num_kv_heads // tp}
+    got = llm.logits(prompts)
+    assert not any(np.isnan(x).any() for x in got)
+    assert _max_error(got, unsharded_logits(hf_models["llama"], prompts)) < 1e-5
+
+
+@pytest.mark.parametrize("family, mesh", [
+    ("qwen3_moe", "ep=2"), ("qwen3_moe", "ep=4"), ("qwen3_moe", "tp=2,ep=2"),
+    ("gpt_oss", "tp=2,ep=2"),  # sinks, expert biases (added once under tp), clamped SwiGLU
+    ("qwen2_moe", "tp=2"),  # a shared expert and a dense layer, experts split by columns
+])
+def test_moe_expert_parallel_logits(hf_models, unsharded_logits, family, mesh):
+    prompts = _prompts(1)
+    llm = LLM(hf_models[family], dtype="float32", kv_cache_bytes=KV_BYTES, mesh=mesh)
+    spec = MeshSpec.parse(mesh)
+    gate_up = llm.model.layers[0].mlp.experts.gate_up_proj.weight[...]
+    e, n, k = gate_up.shape
+    assert {s.data.shape for s in gate_up.addressable_shards} == {(e // spec.ep, n // spec.tp, k)}
+    assert _max_error(llm.logits(prompts), unsharded_logits(hf_models[family], prompts)) < 1e-5
+
+
+@pytest.mark.parametrize("family, fmt, mesh", [
+    ("llama", "int4:g32", "tp=2"),  # row-split projections: 2 groups of 32 per device
+    ("qwen3_moe", "int8", "tp=2,ep=2"),
+])
+def test_quantized_checkpoint_sharded_restore(hf_models, tmp_path, family, fmt, mesh):
+    """A converted quantized checkpoint: Orbax restores each shard onto its device, and the
+    quantized kernels run per device on their shards."""
+    ckpt = convert(hf_models[family], tmp_path / "q", dtype="float32", quantize=fmt)
+    prompts = _prompts(2)
+    one = LLM(ckpt, kv_cache_bytes=KV_BYTES).logits(prompts)
+    llm = LLM(ckpt, kv_cache_bytes=KV_BYTES, mesh=mesh)
+    layer = llm.model.layers[1]
+    proj = layer.attn.o_proj if family == "llama" else layer.mlp.experts.down_proj
+    assert proj.quantized and len(proj.weight[...].sharding.device_set) > 1
+    assert _max_error(llm.logits(prompts), one) < 1e-5
+
+
+@pytest.mark.parametrize("family, mesh", [("llama", "tp=2"), ("qwen3_moe", "tp=2,ep=2"),
+                                          ("llama", "tp=2,dp=2")])
+def test_engine_greedy_text_sharded(hf_models, family, mesh):
+    """Continuous batching with multi-step decode on a mesh (and dp replicas behind one
+    engine) generates the unsharded engine's greedy text; every page comes back."""
+    prompts = _prompts(3, (5, 21, 12, 40, 9))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", kv_cache_bytes=KV_BYTES, decode_steps=4, max_num_seqs=4)
+    want = [o.token_ids for o in LLM(hf_models[family], **kw).generate(prompts, params)]
+    llm = LLM(hf_models[family], mesh=mesh, **kw)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    engines = getattr(llm.engine, "engines", [llm.engine])
+    assert len(engines) == MeshSpec.parse(mesh).dp
+    if len(engines) > 1:  # both replicas took requests
+        assert all(e.num_steps > 0 for e in engines)
+    assert all(e.allocator.num_free == e.runner.num_pages for e in engines)
+
+
+def test_mesh_spec_parse_and_errors():
+    assert MeshSpec.parse("tp=2, ep=4") == MeshSpec(dp=1, ep=4, tp=2)
+    assert MeshSpec.parse(None) == MeshSpec()
+    for bad in ("tp=0", "tp=2,tp=2", "pp=2", "tp"):
+        with pytest.raises(JaxinferError, match="--mesh"):
+            MeshSpec.parse(bad)
+    with pytest.raises(JaxinferError, match="needs 16 devices, 8 visible"):
+        MeshSpec.parse("tp=4,dp=4").meshes()
+    with pytest.raises(JaxinferError, match="num_heads=4 is not divisible by tp=8"):
+        MeshSpec(tp=8).check(preset_config("tiny"))
+    with pytest.raises(JaxinferError, match="ep=2 needs a mixture-of-experts model"):
+        MeshSpec(ep=2).check(preset_config("tiny"))
+    config = ModelConfig(**{**preset_config("tiny").__dict__, "num_heads": 6, "num_kv_heads": 6})
+    with pytest.raises(JaxinferError, match="num_kv_heads=6 neither divides"):
+        MeshSpec(tp=4).check(config)
+
+
+def test_cli_mesh_errors_are_one_line(hf_models):
+    result = CliRunner().invoke(cli, ["generate", "--model", str(hf_models["llama"]),
+                                      "--prompt", "hi", "--mesh", "tp=8"])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: --mesh tp=8,ep=1,dp=1: ")
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_generate_together(hf_models):
+    """Two processes of two CPU devices each form one tp=4 mesh: process 0 schedules and
+    broadcasts every step, process 1 follows; both sample the same tokens, which equal
+    the single-process unsharded run's."""
+    path = hf_models["llama"]
+    prompt = _prompts(4, (11,))[0]
+    want = LLM(path, dtype="float32", kv_cache_bytes=KV_BYTES).generate(
+        [prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    driver = Path(__file__).with_name("multihost_driver.py")
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(driver), str(path), "tp=4", coordinator,
+                               str(i), json.dumps(prompt), "8"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1])["tokens"])
+    assert outs[0] == want
+    assert outs[1] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mesh", ["tp=2"])
+def test_gpu_sharded_kernels_match_one_device(mesh):
+    """On GPUs (bf16, the Mosaic attention and quantized-matmul kernels inside shard_map):
+    the split model's logits match one device's to bf16 rounding."""
+    import jax.numpy as jnp
+
+    from jaxinfer.presets import random_model
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
+                         intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,
+                         head_dim=64, max_position_embeddings=2048, eos_token_ids=(1,))
+    model = random_model(config, jnp.bfloat16, seed=5)
+    prompts = _prompts(6, (37, 300, 5))
+    want = LLM(model, kv_cache_bytes=64 << 20).logits(prompts)
+    got = LLM(model, kv_cache_bytes=64 << 20, mesh=mesh).logits(prompts)
+    scale = max(float(np.abs(x).max()) for x in want)
+    assert _max_error(got, want) < 0.02 * scale
