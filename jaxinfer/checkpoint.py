@@ -43,7 +43,7 @@ from jaxinfer.models import Decoder
 from jaxinfer.models.layers import is_quantizable
 from jaxinfer.quant import FP8_DTYPE, VALUE_DTYPES, QuantFormat, QuantizedWeight, parse_format
 from jaxinfer.quant import quantize as quantize_weight
-from jaxinfer.sharding import MeshSpec, ParamPlacer, mesh_axis_size, param_axes
+from jaxinfer.sharding import MeshSpec, ParamPlacer, mesh_axis_size, param_axes, sharded_config
 
 GROUP_BYTES = 64 << 20
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -257,7 +257,7 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
         if any(k.endswith(SCALE) for k in params):  # a GGUF's or MXFP4 checkpoint's own
             config = dataclasses.replace(config, quantization=source.native_quantization)
         activations = None
-    return _build_model(placer.model_config, params, activations, placer.tp)
+    return _build_model(sharded_config(config, placer.tp), params, activations, placer.tp)
 
 
 def model_placer(config: ModelConfig, mesh: jax.sharding.Mesh, where="the model",

@@ -119,16 +119,15 @@ class MeshSpec:
         return [Mesh(g, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES)) for g in grid]
 
 
-def step_compiler_options(mesh: Mesh) -> dict[str, str]:
-    """XLA options for a step sharded over several GPUs of one host: the small all-reduces
-    of decode (one [tokens, hidden] per block) run as XLA's one-shot all-reduce kernel,
-    which reads the peers' buffers directly over NVLink (peer-to-peer; no NVLink multicast),
-    instead of an NCCL launch. XLA falls back to NCCL where the kernel does not apply
-    (large inputs, several hosts). JAXINFER_ONE_SHOT_ALL_REDUCE=0 turns it off."""
+def step_compiler_options(mesh: Mesh) -> dict[str, str | bool]:
+    """XLA options for a step sharded over several GPUs of one host. Opt-in experiment
+    (JAXINFER_ONE_SHOT_ALL_REDUCE=1): XLA's one-shot all-reduce kernel (it reads the peers'
+    buffers over NVLink, peer-to-peer, no NVLink multicast) instead of NCCL for small
+    all-reduces; it measured no faster than NCCL for Llama-8B tp=2 decode (bench/NOTES.md)."""
     import os
 
     if (mesh.size == 1 or mesh.devices.flat[0].platform != "gpu"
-            or os.environ.get("JAXINFER_ONE_SHOT_ALL_REDUCE") == "0"):
+            or os.environ.get("JAXINFER_ONE_SHOT_ALL_REDUCE") != "1"):
         return {}
     return {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
 
@@ -234,7 +233,16 @@ class ParamPlacer:
         return self.param_axes[key]
 
     def sharding(self, key: str, shape) -> NamedSharding:
-        return NamedSharding(self.mesh, logical_to_mesh(self.axes(key), shape, self.mesh))
+        axes = self.axes(key)
+        spec = logical_to_mesh(axes, shape, self.mesh)
+        if key.endswith(("weight_scale", "weight_offset")) and shape[-2] > 1:
+            # Per-group scales must split with their weight's input features (per-channel
+            # scales, one row, are simply copied).
+            axis = logical_to_mesh(axes, None, self.mesh)[-2]
+            if axis is not None and spec[-2] is None:
+                raise JaxinferError(f"{key}: {shape[-2]} groups of scales cannot be split "
+                                    f"over {axis}={self.mesh.shape[axis]}")
+        return NamedSharding(self.mesh, spec)
 
     def _transform(self, key: str, a, xp):
         # The out-features axis: weight [..., N, K]; bias [..., N]; scale / offset [..., G, N].

@@ -17,8 +17,8 @@ from jaxinfer import LLM, SamplingParams  # noqa: E402
 
 llm = LLM(path, dtype="float32", mesh=mesh, kv_cache_bytes=1 << 22)
 if multihost.is_leader():
-    out = llm.generate([json.loads(prompt)], SamplingParams(max_tokens=int(max_tokens),
-                                                            ignore_eos=True))
+    params = SamplingParams(max_tokens=int(max_tokens), ignore_eos=True, temperature=0)
+    out = llm.generate([json.loads(prompt)], params)
     print(json.dumps({"tokens": out[0].token_ids}), flush=True)
 else:
     steps = llm.follow()

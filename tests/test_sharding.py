@@ -112,7 +112,7 @@ def test_engine_greedy_text_sharded(hf_models, family, mesh):
     """Continuous batching with multi-step decode on a mesh (and dp replicas behind one
     engine) generates the unsharded engine's greedy text; every page comes back."""
     prompts = _prompts(3, (5, 21, 12, 40, 9))
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0)
     kw = dict(dtype="float32", kv_cache_bytes=KV_BYTES, decode_steps=4, max_num_seqs=4)
     want = [o.token_ids for o in LLM(hf_models[family], **kw).generate(prompts, params)]
     llm = LLM(hf_models[family], mesh=mesh, **kw)
@@ -162,7 +162,7 @@ def test_two_processes_generate_together(hf_models):
     path = hf_models["llama"]
     prompt = _prompts(4, (11,))[0]
     want = LLM(path, dtype="float32", kv_cache_bytes=KV_BYTES).generate(
-        [prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        [prompt], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))[0].token_ids
     driver = Path(__file__).with_name("multihost_driver.py")
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen([sys.executable, str(driver), str(path), "tp=4", coordinator,
@@ -198,3 +198,34 @@ def test_gpu_sharded_kernels_match_one_device(mesh):
     got = LLM(model, kv_cache_bytes=64 << 20, mesh=mesh).logits(prompts)
     scale = max(float(np.abs(x).max()) for x in want)
     assert _max_error(got, want) < 0.02 * scale
+
+
+def test_server_with_replicas_and_tensor_parallel(qwen3_converted, tmp_path):
+    """`jaxinfer serve --mesh tp=2,dp=2`: concurrent requests spread over two replicas give
+    the unsharded model's greedy tokens, and every page comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .test_server import _start, _wait_ready
+
+    prompts = _prompts(7, (4, 30, 11, 17, 25, 8))
+    want = [o.token_ids for o in LLM(qwen3_converted, kv_cache_bytes=KV_BYTES).generate(
+        prompts, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))]
+    log = tmp_path / "server.log"
+    proc = _start(qwen3_converted, log, 64, "--mesh", "tp=2,dp=2")
+    try:
+        server = _wait_ready(proc, log, None)
+
+        def complete(prompt):
+            resp = server.client.completions.create(
+                model=str(qwen3_converted), prompt=prompt, max_tokens=6, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+            return resp.choices[0].model_extra["token_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == want
+        metrics = server.wait_idle()
+        assert metrics["jaxinfer_kv_pages_in_use"] == 0
+        assert metrics["jaxinfer_kv_pages_total"] == 2 * 64  # two replicas of 64 pages
+    finally:
+        proc.terminate()
+        proc.wait(30)
