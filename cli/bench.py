@@ -192,6 +192,7 @@ def _plot(rows, ceilings, path):
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None)
 @click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--api-key", default=None)
+@click.option("--mesh", default=None, metavar="SPEC", help="--mesh of the started server.")
 @click.option("--server-warmup/--no-server-warmup", default=True, show_default=True,
               help="Let the started server compile its buckets before it is ready.")
 @click.option("--num-requests", type=click.IntRange(min=1), default=64, show_default=True)
@@ -207,8 +208,8 @@ def _plot(rows, ceilings, path):
 @click.option("--json", "json_path", default=None)
 @click.option("--record", default=None)
 def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-          max_model_len, decode_steps, api_key, server_warmup, num_requests, concurrency, input_len,
-          output_len, range_ratio, warmup_passes, seed, json_path, record):
+          max_model_len, decode_steps, api_key, mesh, server_warmup, num_requests, concurrency,
+          input_len, output_len, range_ratio, warmup_passes, seed, json_path, record):
     """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles."""
     from jaxinfer.bench import Ceilings
     from jaxinfer.bench_serve import decode_roofline, format_summary, random_prompts, run_load
@@ -227,6 +228,8 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
             args += ["--max-model-len", str(max_model_len)]
         if api_key:
             args += ["--api-key", api_key]
+        if mesh:
+            args += ["--mesh", mesh]
         if not server_warmup:
             args.append("--no-warmup")
         server, url = _start_server(args)

@@ -6,6 +6,7 @@ cleanly; two real processes (`jax.distributed`, CPU collectives) run one sharded
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -229,3 +230,31 @@ def test_server_with_replicas_and_tensor_parallel(qwen3_converted, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_two_processes_cli_generate(hf_models):
+    """`jaxinfer generate` as a two-process job configured from the environment
+    (JAXINFER_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID): process 0 prints the text of the
+    single-process run, process 1 prints nothing, both exit 0."""
+    import os
+
+    path = str(hf_models["llama"])
+    args = ["-m", "jaxinfer.cli.main", "generate", "--model", path, "--prompt", "The theory",
+            "--max-new-tokens", "6", "--dtype", "float32"]
+    alone = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                           timeout=300)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, *args, "--mesh", "tp=4"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+             "JAXINFER_COORDINATOR": coordinator, "JAXINFER_NUM_PROCESSES": "2",
+             "JAXINFER_PROCESS_ID": str(i)}) for i in range(2)]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(re.sub(r"\[Gloo\][^\n]*\n", "", stdout))  # gloo's own notices
+    assert outs[0] == alone.stdout and outs[0].startswith("The theory")
+    assert outs[1] == ""
