@@ -175,9 +175,8 @@ def _size(b: int) -> str:
     return f"{b} bytes"
 
 
-def shard_bytes(shape, dtype, axes, mesh) -> int:
-    """Bytes of one device's shard of an array of `shape` with logical `axes` on `mesh`."""
-    split = logical_to_mesh(axes, shape, mesh)
+def shard_bytes(shape, dtype, split, mesh) -> int:
+    """Bytes of one device's shard of an array of `shape` split by mesh PartitionSpec `split`."""
     local = [d // mesh_axis_size(mesh, a) for d, a in zip(shape, tuple(split), strict=False)]
     local += list(shape[len(local):])
     return math.ceil(math.prod(local) * _bits(dtype) / 8)
@@ -203,8 +202,8 @@ def weight_bytes_per_device(placer: ParamPlacer, tensors: dict[str, jax.ShapeDty
     for key, t in tensors.items():
         shape = placer.final_shape(key, t.shape) if placer.needs_transform(key) else t.shape
         name = jnp.dtype(t.dtype).name
-        out[name] = out.get(name, 0) + shard_bytes(tuple(shape), t.dtype, placer.axes(key),
-                                                   placer.mesh)
+        out[name] = out.get(name, 0) + shard_bytes(
+            tuple(shape), t.dtype, placer.spec(key, tuple(shape)), placer.mesh)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
@@ -219,7 +218,8 @@ def kv_page_bytes(run_config: ModelConfig, page_size: int, dtype, mesh) -> int:
     """One page (a key and a value page in every layer) on one device; run_config: the
     config the model runs with (`sharded_config`)."""
     shape = (1, page_size, run_config.num_kv_heads, run_config.head_dim)
-    return 2 * run_config.num_layers * shard_bytes(shape, dtype, KV_PAGES_AXES, mesh)
+    split = logical_to_mesh(KV_PAGES_AXES, shape, mesh)
+    return 2 * run_config.num_layers * shard_bytes(shape, dtype, split, mesh)
 
 
 def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int = 64,

@@ -233,6 +233,10 @@ class ParamPlacer:
         return self.param_axes[key]
 
     def sharding(self, key: str, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(key, shape))
+
+    def spec(self, key: str, shape) -> P:
+        """The mesh PartitionSpec of tensor `key` of `shape` (as placed)."""
         axes = self.axes(key)
         spec = logical_to_mesh(axes, shape, self.mesh)
         if key.endswith(("weight_scale", "weight_offset")) and shape[-2] > 1:
@@ -242,7 +246,7 @@ class ParamPlacer:
             if axis is not None and spec[-2] is None:
                 raise JaxinferError(f"{key}: {shape[-2]} groups of scales cannot be split "
                                     f"over {axis}={self.mesh.shape[axis]}")
-        return NamedSharding(self.mesh, spec)
+        return spec
 
     def _transform(self, key: str, a, xp):
         # The out-features axis: weight [..., N, K]; bias [..., N]; scale / offset [..., G, N].

@@ -20,7 +20,7 @@ from jaxinfer.attention import KV_PAGES_AXES, AttentionMetadata, ragged_paged_at
 from jaxinfer.config import ModelConfig
 from jaxinfer.linear import linear
 from jaxinfer.quant import QuantizedWeight
-from jaxinfer.sharding import P, reduce_over, shard_map_logical
+from jaxinfer.sharding import P, current_mesh, reduce_over, shard_map_logical
 
 _init = nnx.initializers.normal(0.02)
 
@@ -99,23 +99,29 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         bias = None if self.bias is None else self.bias[...]
-        if not self.quantized:  # XLA partitions the dot from the weight's sharding
-            return linear(x, self.weight[...], bias)
-        # The kernel runs per device on its shard; a split `in` axis leaves partial sums.
         w, w_axes = self.weight_and_axes()
+        if current_mesh() is None:
+            return linear(x, w, bias)
+        # On a mesh each device multiplies by its shard (the same dot, or kernel, as on one
+        # device); a split `in` axis leaves partial sums, which one psum joins: the one
+        # all-reduce of a column-split -> row-split block.
         out_axis, in_axis = self.axes
         lead = (None,) * (x.ndim - 1)
-
         in_features = x.shape[-1]
 
-        def local(x, w):
-            y = linear(x, w)
-            return y if x.shape[-1] == in_features else reduce_over((in_axis,), y)
+        def local(x, w, *bias):
+            bias = bias[0] if bias else None
+            if x.shape[-1] == in_features:
+                return linear(x, w, bias)
+            y = reduce_over((in_axis,), linear(x, w))
+            if bias is None:
+                return y
+            return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
-        y = shard_map_logical(local, (P(*lead, in_axis), w_axes), P(*lead, out_axis), x, w)
-        if bias is None:
-            return y
-        return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+        args, axes = (x, w), (P(*lead, in_axis), w_axes)
+        if bias is not None:
+            args, axes = (*args, bias), (*axes, P(out_axis))
+        return shard_map_logical(local, axes, P(*lead, out_axis), *args)
 
 
 class RMSNorm(nnx.Module):

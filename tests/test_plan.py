@@ -106,9 +106,10 @@ def _write_converted(path: Path, config, quantize: str) -> Path:
 def test_quantized_checkpoint_matches_allocation(tmp_path):
     """A converted int4:g32:asym checkpoint is planned from its stored dtypes: int4 values
     (half a byte each), float32 scales and offsets, float32 rest (bfloat16 when the load
-    casts them); checked at tp=1, tp=2 and tp=4 (KV heads repeated) against the load."""
+    casts them); checked at tp=1 and tp=2 against the load. At tp=4 the row-split o_proj
+    (64 inputs, 2 groups of 32 scales) cannot split its groups: both refuse."""
     path = _write_converted(tmp_path / "q", preset_config("tiny"), "int4:g32:asym")
-    for spec, dtype in [("tp=1", None), ("tp=2", "bfloat16"), ("tp=4", None)]:
+    for spec, dtype in [("tp=1", None), ("tp=2", "bfloat16"), ("tp=2", None)]:
         mesh = _mesh(spec)
         config, tensors = model_tensors(str(path), dtype)
         plan = plan_memory(config, spec, HBM, tensors=tensors)
@@ -116,6 +117,11 @@ def test_quantized_checkpoint_matches_allocation(tmp_path):
         per_device = _param_bytes(checkpoint.load_model(path, dtype=dtype, mesh=mesh), mesh)
         assert plan.weight_bytes == max(per_device), spec
         assert plan.kv_dtype == (dtype or "float32")
+    config, tensors = model_tensors(str(path), None)
+    with pytest.raises(JaxinferError, match="groups of scales cannot be split over tp=4"):
+        plan_memory(config, "tp=4", HBM, tensors=tensors)
+    with pytest.raises(JaxinferError, match="groups of scales cannot be split over tp=4"):
+        checkpoint.load_model(path, mesh=_mesh("tp=4"))
 
 
 def test_plan_arithmetic():
