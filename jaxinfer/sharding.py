@@ -15,9 +15,10 @@ each `nnx.Param`) and of the activations its kernels take, never mesh axes;
 When tp exceeds the model's KV heads, each KV head is repeated tp / num_kv_heads times
 (vLLM's choice): every device then holds the one KV head its query heads read.
 
-Float projections are partitioned by XLA (GSPMD) from the parameters' shardings; the
-kernels (attention, quantized and grouped matmuls) are custom calls XLA cannot split, so
-their callers wrap them in `shard_map_logical`, which runs them on each device's shards.
+Projections and kernels (attention, quantized and grouped matmuls, which are custom calls
+XLA could not split anyway) run per device on their shards through `shard_map_logical`,
+with explicit collectives (`reduce_over`); XLA partitions the rest (norms, sampling) from
+the parameters' shardings.
 """
 
 from __future__ import annotations
