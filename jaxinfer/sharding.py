@@ -24,6 +24,7 @@ the parameters' shardings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -249,41 +250,68 @@ class ParamPlacer:
                                     f"over {axis}={self.mesh.shape[axis]}")
         return spec
 
-    def _transform(self, key: str, a, xp):
-        # The out-features axis: weight [..., N, K]; bias [..., N]; scale / offset [..., G, N].
-        axis_of_out = -2 if key.endswith(".weight") else -1
+    def _relayout(self, key: str) -> tuple[str, int] | None:
+        """("repeat", kv_repeat) for a k/v projection tensor when tp > num_kv_heads,
+        ("regroup", tp) for an expert stack's gate_up tensor when tp > 1, else None."""
         if self.kv_repeat > 1 and _KV_PROJ.fullmatch(key):
-            a = xp.moveaxis(a, axis_of_out, 0)
-            heads = a.reshape(self.config.num_kv_heads, -1, *a.shape[1:])
-            a = xp.repeat(heads, self.kv_repeat, axis=0).reshape(-1, *a.shape[1:])
-            return xp.moveaxis(a, 0, axis_of_out)
+            return "repeat", self.kv_repeat
         if self.regroup and _GATE_UP.fullmatch(key):
-            a = xp.moveaxis(a, axis_of_out, 0)
-            n = a.shape[0]
-            a = a.reshape(2, self.tp, n // (2 * self.tp), *a.shape[1:])
-            a = xp.swapaxes(a, 0, 1).reshape(n, *a.shape[3:])
-            return xp.moveaxis(a, 0, axis_of_out)
-        return a
+            return "regroup", self.tp
+        return None
 
     def needs_transform(self, key: str) -> bool:
-        return bool((self.kv_repeat > 1 and _KV_PROJ.fullmatch(key))
-                    or (self.regroup and _GATE_UP.fullmatch(key)))
+        return self._relayout(key) is not None
 
     def final_shape(self, key: str, shape) -> tuple[int, ...]:
-        return tuple(jax.eval_shape(lambda a: self._transform(key, a, jnp),
-                                    jax.ShapeDtypeStruct(tuple(shape), jnp.float32)).shape)
+        """The shape `place` gives a stored tensor of `shape` (repeating KV heads grows the
+        out-features axis; regrouping keeps the shape)."""
+        shape = list(shape)
+        if (how := self._relayout(key)) and how[0] == "repeat":
+            shape[_out_axis(key)] *= how[1]
+        return tuple(shape)
 
     def place(self, key: str, array) -> jax.Array:
+        how = self._relayout(key)
         if not isinstance(array, jax.Array):  # on the host: each device gets its slice
-            array = self._transform(key, np.asarray(array), np)
+            array = np.asarray(array)
+            if how:
+                array = _relayout_array(array, *how, _out_axis(key),
+                                        self.config.num_kv_heads, np)
             return jax.make_array_from_callback(array.shape,
                                                 self.sharding(key, array.shape),
                                                 lambda index: array[index])
         array = jax.device_put(array, self.sharding(key, array.shape))
-        if not self.needs_transform(key):
+        if not how:
             return array
         target = self.sharding(key, self.final_shape(key, array.shape))
-        return jax.jit(lambda a: self._transform(key, a, jnp), out_shardings=target)(array)
+        return _relayout_on_device(array, *how, _out_axis(key), self.config.num_kv_heads,
+                                   target)
+
+
+def _out_axis(key: str) -> int:
+    """The out-features axis of a tensor: weight [..., N, K]; bias [..., N]; scale / offset
+    [..., G, N]."""
+    return -2 if key.endswith(".weight") else -1
+
+
+def _relayout_array(a, how: str, factor: int, out_axis: int, kv_heads: int, xp):
+    """`ParamPlacer`'s layout changes along the out-features axis (numpy or jax, by xp)."""
+    a = xp.moveaxis(a, out_axis, 0)
+    n = a.shape[0]
+    if how == "repeat":  # [kv_heads * D, ...] -> each head's D rows `factor` times
+        heads = a.reshape(kv_heads, -1, *a.shape[1:])
+        a = xp.repeat(heads, factor, axis=0).reshape(-1, *a.shape[1:])
+    else:  # "regroup": [gate | up], each split in `factor` -> [gate_0 up_0 | gate_1 up_1 ...]
+        a = a.reshape(2, factor, n // (2 * factor), *a.shape[1:])
+        a = xp.swapaxes(a, 0, 1).reshape(n, *a.shape[3:])
+    return xp.moveaxis(a, 0, out_axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _relayout_on_device(a, how, factor, out_axis, kv_heads, sharding):
+    """`_relayout_array` on the devices (one compile per shape, shared by the layers)."""
+    out = _relayout_array(a, how, factor, out_axis, kv_heads, jnp)
+    return jax.lax.with_sharding_constraint(out, sharding)
 
 
 def param_axes(model) -> dict[str, P]:
