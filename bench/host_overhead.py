@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
     ap.add_argument("--mesh", default=None, help="e.g. tp=2: kernel time is per device")
+    ap.add_argument("--sequence", type=int, default=0,
+                    help="also save the first N kernels recorded, in order, to --json")
     args = ap.parse_args()
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI, as mosaic's profiler
 
@@ -75,7 +77,8 @@ def main():
               "decode_steps": args.decode_steps, "wall_ms_per_token": wall * 1e3,
               "kernel_ms_per_token": busy * 1e3, "host_overhead": 1 - busy / wall,
               "weight_floor_ms_per_token": floor * 1e3, "fraction_of_floor": floor / wall,
-              "copy_gb_per_s": copy / 1e9, "kernels_per_token": len(kernels) / measured}
+              "copy_gb_per_s": copy / 1e9, "kernels_per_token": len(kernels) / measured,
+              "kernel_sequence": [(name[:90], ms * 1e3) for name, ms in kernels[:args.sequence]]}
     print(f"B={args.batch} ctx={args.ctx} decode_steps={args.decode_steps}: "
           f"wall {wall * 1e3:.3f} ms/token, kernels {busy * 1e3:.3f} ms/token, host overhead "
           f"{100 * (1 - busy / wall):.1f}%, weight floor {floor * 1e3:.3f} ms "

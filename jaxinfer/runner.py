@@ -2,8 +2,8 @@
 runs one jitted step (model forward + sampling) over the paged KV cache.
 
 Shapes are padded to power-of-two buckets (tokens T, sequences S, pages per
-sequence P), so a new prompt length reuses a compiled step; the KV cache is
-donated so XLA updates the pages in place.
+sequence P; a decode batch has T = S), so a new prompt length reuses a compiled step;
+the KV cache is donated so XLA updates the pages in place.
 """
 
 from __future__ import annotations
@@ -203,7 +203,10 @@ class ModelRunner:
         """
         num_tokens = sum(len(c.new_tokens) for c in chunks)
         S = bucket(len(chunks), 1)
-        T = bucket(num_tokens, 16)
+        # A decode batch (one token per sequence) pads its tokens only to S: under tensor
+        # parallelism each block's all-reduce carries T rows, and one row is a message small
+        # enough for the low-latency all-reduce. Prefill chunks pad to at least 16 tokens.
+        T = S if num_tokens == len(chunks) else bucket(num_tokens, 16)
         if num_steps > 1:
             assert num_tokens == len(chunks)
         max_pages = max(-(-(c.num_cached + max(len(c.new_tokens), min(num_steps, c.remaining)))

@@ -53,6 +53,8 @@ CASES = {
     "chunk_across_boundary": Case(seqs=((4, 18), (16, 32), (2, 17), (15, 33))),
     "chunked_prefill": Case(seqs=((8, 40), (16, 48), (5, 21)), pad_seqs=0),
     "no_padding": Case(seqs=((3, 10), (1, 20)), pad_seqs=0, pad_tokens=0),
+    # One decode token, unpadded: the runner's batch-1 decode step (T = S = 1).
+    "single_token": Case(seqs=((1, 37),), pad_seqs=0, pad_tokens=0),
     "garbage_padding_meta": Case(seqs=((6, 20), (1, 33), (9, 9)), pad_seqs=3, pad_tokens=6,
                                  pad_style="garbage"),
     "page_size_8": Case(seqs=((9, 24), (1, 8), (8, 8), (1, 9)), page_size=8),

@@ -242,3 +242,24 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     # Prefills of 16..64 tokens, then decodes of 3, 2 and 1 sequences: nothing new compiled
     # except the mixed prefill+decode batches the scheduler formed.
     assert llm.runner._sample_step._cache_size() <= compiled + 2
+
+
+def test_decode_batches_pad_tokens_to_the_sequence_bucket():
+    """A decode batch (one token per sequence) pads to T = S tokens (one all-reduce row per
+    sequence under tensor parallelism); anything else pads to >= 16 tokens."""
+    import jax.numpy as jnp
+
+    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.runner import ModelRunner, SeqChunk
+
+    runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=8,
+                         page_size=PAGE, max_model_len=8 * PAGE)
+    decode = runner.prepare([SeqChunk(new_tokens=[5], num_cached=10 + i, pages=[i])
+                             for i in range(3)], num_steps=4)
+    assert decode.token_ids.shape == (4,) and decode.md.kv_lens.shape == (4,)
+    assert list(decode.token_ids) == [5, 5, 5, 0] and list(decode.positions) == [10, 11, 12, 0]
+    single = runner.prepare([SeqChunk(new_tokens=[7], num_cached=0, pages=[0])])
+    assert single.token_ids.shape == (1,)
+    prefill = runner.prepare([SeqChunk(new_tokens=[5, 6], num_cached=0, pages=[0]),
+                              SeqChunk(new_tokens=[7], num_cached=3, pages=[1])])
+    assert prefill.token_ids.shape == (16,) and prefill.md.kv_lens.shape == (2,)
