@@ -3,7 +3,7 @@
 # test, the memory planner against real allocation, and decode at batch 1 and 64 for
 # Llama-3-8B shape at tp=1 / tp=2 (/ tp=4), and a MoE shape at ep=1 / ep=2.
 #   device run (kind nvidia-h200-x2): bash bench/gpu_shard.sh [part...]   (carry: .whl)
-#   parts: tests plan dense profile flags allreduce processes moe
+#   parts: tests plan dense steps profile sequence flags allreduce processes moe
 source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
 export JAXINFER_CACHE=/tmp/jxcache NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -17,7 +17,7 @@ latency() {  # preset mesh batch tag
 for part in ${*:-tests plan dense moe}; do
   case $part in
   tests)
-    timeout -k 5 200 python3 -m pytest "$REPO/tests/test_sharding.py" -c "$REPO/pyproject.toml" \
+    timeout -k 5 200 python3 -m pytest "$REPO/tests/test_sharding.py" "$REPO/tests/test_engine.py" -c "$REPO/pyproject.toml" \
       --rootdir "$REPO" -m gpu --import-mode=importlib -q -rs -p no:cacheprovider \
       > "$OUT/gpu_tests.log" 2>&1
     tail -4 "$OUT/gpu_tests.log" ;;
@@ -37,6 +37,20 @@ for part in ${*:-tests plan dense moe}; do
     (cd "$REPO/bench" && timeout -k 5 200 python3 host_overhead.py --preset llama3-8b --batch 1 \
       --decode-steps 8 --mesh tp=2 --top 20 --json "$OUT/overhead_tp2.json" \
       > "$OUT/overhead_tp2.log" 2>&1); grep -v "^WARNING" "$OUT/overhead_tp2.log" | tail -24 ;;
+  steps)  # the host wall time of each engine step of the batch-1 latency workload, tp=1,
+    # without and after measuring the ceilings (CUPTI) in the same process
+    for first in "" --ceilings-first; do
+      timeout -k 5 150 python3 "$REPO/bench/step_times.py" --preset llama3-8b --mesh tp=1 \
+        $first > "$OUT/steps_tp1$first.log" 2>&1
+      echo "${first:-plain}: $(grep -h '^total' "$OUT/steps_tp1$first.log" || tail -2 "$OUT/steps_tp1$first.log")"
+    done ;;
+  sequence)  # every kernel of a batch-1 decode token in order (CUPTI), tp=1 and tp=2
+    for tp in ${SEQUENCE_TPS:-1 2}; do
+      (cd "$REPO/bench" && timeout -k 5 200 python3 host_overhead.py --preset llama3-8b \
+        --batch 1 --decode-steps 8 --mesh tp=$tp --top 12 --sequence 2000 \
+        --json "$OUT/seq_tp$tp.json" > "$OUT/seq_tp$tp.log" 2>&1)
+      echo "tp=$tp: $(grep -h 'ms/token' "$OUT/seq_tp$tp.log" || tail -3 "$OUT/seq_tp$tp.log")"
+    done ;;
   flags)  # tp=2 batch-1 decode (CUPTI, as profile) under each XLA / engine option tried;
     # FLAG_VARIANTS="tag ..." runs only those
     run_profile() {  # tag, then the environment to run it under

@@ -117,11 +117,11 @@ def kernels(backend, small, json_path, record, profile, plot):
 def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
             decode_steps, json_path, record, profile, mesh, batch, input_len, output_len):
     """Time to first token and per-token decode time."""
-    from jaxinfer.bench import bench_latency, measure_ceilings
+    from jaxinfer.bench import bench_latency
 
+    ceilings = _ceilings_in_subprocess()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, mesh)
-    ceilings = measure_ceilings()
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings)
     headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
@@ -139,11 +139,11 @@ def throughput(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
                decode_steps, json_path, record, profile, mesh, num_requests, input_len,
                output_len):
     """Offline throughput: N requests at once; output tokens/s."""
-    from jaxinfer.bench import bench_throughput, measure_ceilings
+    from jaxinfer.bench import bench_throughput
 
+    ceilings = _ceilings_in_subprocess()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, mesh)
-    ceilings = measure_ceilings()
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
     headline = (f"{r['num_requests']} requests (in <= {input_len}, out {output_len}): "
@@ -264,6 +264,10 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
 
 
 def _ceilings_in_subprocess():
+    """The device ceilings, measured by a child process on the same device. Not in this
+    process: on the GPU they are timed with CUPTI (jax's Mosaic profiler), which leaves a
+    per-launch cost behind in the process that used it (bench latency measured 5.89 ms per
+    token after it, 5.32 without; bench/NOTES.md)."""
     import subprocess
 
     from jaxinfer.bench import Ceilings

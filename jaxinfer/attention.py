@@ -40,18 +40,23 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
-from jaxinfer.sharding import P
+from jaxinfer.sharding import P, shard_map_logical
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Describes a ragged batch (see the module docstring for shapes)."""
+    """Describes a ragged batch (see the module docstring for shapes).
+
+    zero_tails (static): whether `write_kv_pages` zeroes each sequence's last-page tail;
+    False inside a multi-step decode, whose slots `zero_decode_slots` zeroed up front.
+    """
 
     cu_q_lens: jax.Array
     kv_lens: jax.Array
     page_indices: jax.Array
     num_seqs: jax.Array
+    zero_tails: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
 
 FP8_KV_DTYPE = jnp.float8_e4m3fn
@@ -72,8 +77,9 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
                    k_scale: float | None = None, v_scale: float | None = None):
     """Scatters this step's k/v [T, Hkv, D] into the pages; padding tokens are dropped.
 
-    The slots past kv_len in each live sequence's last page are zeroed too, so the
-    pages a kernel reads whole always hold finite values.
+    The slots past kv_len in each live sequence's last page are zeroed too (unless
+    md.zero_tails is False: known zero already), so the pages a kernel reads whole always
+    hold finite values.
     """
     token_seq, token_pos, valid = token_positions(md, k.shape[0])
     page_size = k_pages.shape[1]
@@ -82,25 +88,44 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
     slot = token_pos % page_size
     k_pages = k_pages.at[page, slot].set(quantize_kv(k, k_pages.dtype, k_scale), mode="drop")
     v_pages = v_pages.at[page, slot].set(quantize_kv(v, v_pages.dtype, v_scale), mode="drop")
-    return zero_page_tails(k_pages, v_pages, md)
+    if not md.zero_tails:
+        return k_pages, v_pages
+    ps = k_pages.shape[1]  # kv_len .. the end of its page
+    return zero_slots(k_pages, v_pages, md, md.kv_lens, -(-md.kv_lens // ps) * ps, ps)
 
 
-def zero_page_tails(k_pages, v_pages, md: AttentionMetadata):
-    """Zeroes slots kv_len .. end of page in each live sequence's last page."""
-    S = md.kv_lens.shape[0]
-    ps = k_pages.shape[1]
-    kv_len = md.kv_lens
-    slot = jnp.arange(ps)[None, :]
-    live = (jnp.arange(S) < md.num_seqs[0])[:, None] & (kv_len[:, None] > 0)
-    tail = live & (slot >= kv_len[:, None] % ps) & (kv_len[:, None] % ps != 0)
-    last = jnp.clip((kv_len - 1) // ps, 0, md.page_indices.shape[1] - 1)
-    page = md.page_indices[jnp.arange(S), last][:, None]
-    page = jnp.where(tail, page, k_pages.shape[0])  # out of range: dropped
-    page, slot = jnp.broadcast_arrays(page, slot)
+def zero_slots(k_pages, v_pages, md: AttentionMetadata, start, end, width: int):
+    """Zeroes cache positions start[s] <= pos < end[s] ([S] int32, end - start <= width) of
+    each live sequence s, in its pages."""
+    S, ps = md.kv_lens.shape[0], k_pages.shape[1]
+    pos = start[:, None] + jnp.arange(width)[None, :]  # [S, width]
+    live = (jnp.arange(S) < md.num_seqs[0])[:, None] & (pos < end[:, None]) & (pos >= 0)
+    col = jnp.clip(pos // ps, 0, md.page_indices.shape[1] - 1)
+    page = jnp.take_along_axis(md.page_indices, col, axis=1)
+    page = jnp.where(live, page, k_pages.shape[0])  # out of range: dropped
+    slot = pos % ps
     zeros = jnp.zeros(page.shape + k_pages.shape[2:], k_pages.dtype)
     k_pages = k_pages.at[page, slot].set(zeros, mode="drop")
     v_pages = v_pages.at[page, slot].set(zeros, mode="drop")
     return k_pages, v_pages
+
+
+def zero_decode_slots(kv_cache: list, md: AttentionMetadata, num_tokens, max_tokens: int):
+    """Before a multi-step decode batch (one new token per sequence, at kv_len - 1): zeroes,
+    in every layer's pages, each sequence's slots from that token to the end of the page its
+    num_tokens[s]-th token lands in ([S] int32, <= max_tokens), so the steps' own writes skip
+    the zeroing (md.zero_tails = False). Why: two scatters per layer per decode loop instead
+    of per step. The pages are the ones the loop writes, so none is shared (prefix cache)."""
+    ps = kv_cache[0][0].shape[1]
+    start = md.kv_lens - 1
+    end = -(-(start + num_tokens) // ps) * ps
+
+    def local(k_pages, v_pages, md, start, end):
+        return zero_slots(k_pages, v_pages, md, start, end, ps + max_tokens)
+
+    return [shard_map_logical(local, (KV_PAGES_AXES, KV_PAGES_AXES, P(), P(), P()),
+                              (KV_PAGES_AXES, KV_PAGES_AXES), k_pages, v_pages, md, start, end)
+            for k_pages, v_pages in kv_cache]
 
 
 def token_positions(md: AttentionMetadata, num_tokens: int):

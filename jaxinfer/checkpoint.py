@@ -271,6 +271,8 @@ def model_placer(config: ModelConfig, mesh: jax.sharding.Mesh, where="the model"
 def shard_model(model: Decoder, mesh: jax.sharding.Mesh) -> Decoder:
     """The same model with its parameters placed on `mesh` (a copy; `model` is unchanged):
     an unsharded model on any mesh, a sharded one on a mesh of the same tp (dp replicas)."""
+    if model.projections_fused:
+        raise ValueError("shard_model takes a model before a runner fuses its projections")
     tp = mesh_axis_size(mesh, "tp")
     if model.tp_layout not in (1, tp):
         raise JaxinferError(f"a model laid out for tp={model.tp_layout} cannot move to "

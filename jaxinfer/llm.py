@@ -88,9 +88,10 @@ class LLM:
         num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)
+        # dp replicas: copies of replica 0's weights, made before its runner fuses them.
+        models = [self.model] + [shard_model(self.model, m) for m in meshes[1:]]
         engines = []
-        for i, replica_mesh in enumerate(meshes):  # dp replicas: copies of replica 0's weights
-            model_i = self.model if i == 0 else shard_model(self.model, replica_mesh)
+        for model_i, replica_mesh in zip(models, meshes, strict=True):
             runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,
                                  replica_mesh)
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,

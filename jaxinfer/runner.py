@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer import multihost
-from jaxinfer.attention import KV_PAGES_AXES, AttentionMetadata
+from jaxinfer.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
 from jaxinfer.models import Decoder
 from jaxinfer.sampling import (
     MAX_LOGPROBS,
@@ -88,12 +88,14 @@ class ModelRunner:
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None):
         """`mesh`: the one the model's parameters were placed on (`jaxinfer.sharding`);
-        the KV cache is split over its KV heads like the k/v projections."""
+        the KV cache is split over its KV heads like the k/v projections. The runner fuses
+        the model's projections in place (`Decoder.fuse_projections`)."""
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
         self.mesh = mesh or MeshSpec().meshes()[0]
         self.scratch_page = num_pages
         self.max_pages_per_seq = -(-max_model_len // page_size)
+        model.fuse_projections()  # q/k/v and gate/up as one GEMM each (in place)
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         self.state_leaves, self.state_treedef = jax.tree.flatten(state)
@@ -144,7 +146,12 @@ class ModelRunner:
                 lp = (jnp.zeros(S), jnp.zeros((S, 1), jnp.int32), jnp.zeros((S, 1)))
             return tokens, lp, kv_cache
 
-        tokens, lp, kv_cache = forward(kv_cache, inputs.token_ids, inputs.positions, inputs.md,
+        md = inputs.md
+        if num_steps > 1:  # the loop's page tails zeroed once, not by every step's write
+            kv_cache = zero_decode_slots(kv_cache, md, jnp.minimum(inputs.remaining, num_steps),
+                                         num_steps)
+            md = dataclasses.replace(md, zero_tails=False)
+        tokens, lp, kv_cache = forward(kv_cache, inputs.token_ids, inputs.positions, md,
                                        inputs.sampling.steps, seen, counts)
         if num_steps == 1:
             return (tokens[:, None], lp[0][:, None], lp[1][:, None], lp[2][:, None]), kv_cache
@@ -160,7 +167,7 @@ class ModelRunner:
         out_lp = jnp.zeros((S, num_steps)).at[:, 0].set(lp[0])
         out_top_ids = jnp.zeros((S, num_steps, num_top), jnp.int32).at[:, 0].set(lp[1])
         out_top_lp = jnp.zeros((S, num_steps, num_top)).at[:, 0].set(lp[2])
-        carry = (1, kv_cache, tokens, finished(tokens, 1), inputs.md, inputs.positions,
+        carry = (1, kv_cache, tokens, finished(tokens, 1), md, inputs.positions,
                  inputs.sampling.steps + 1, seen, counts, out_tokens, out_lp, out_top_ids,
                  out_top_lp)
 

@@ -71,6 +71,7 @@ class Decoder(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.tp_layout = 1  # the tp the weights are laid out for (jaxinfer.sharding)
+        self.projections_fused = False  # see fuse_projections
         self.embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
@@ -81,6 +82,19 @@ class Decoder(nnx.Module):
             self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
                 rngs.params(), (config.vocab_size, config.hidden_size), dtype),
                 axes=P("vocab", "embed"))
+
+    def fuse_projections(self):
+        """Joins each layer's q/k/v and gate/up weights into one projection each, in place
+        (fewer, larger GEMMs per decode step). The runner calls it on the model it runs, once
+        the parameters are placed; checkpoints and `shard_model` take unfused models."""
+        self.projections_fused = True
+        for layer in self.layers:
+            layer.attn.fuse_projections()
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                mlp = mlp.shared_expert
+            if mlp is not None:
+                mlp.fuse_projections()
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: list,
                  md: AttentionMetadata):

@@ -181,3 +181,54 @@ def test_backend_choice_and_kernel_limits():
         ragged_paged_attention(*(jnp.asarray(b[n]) for n in ("q", "k", "v", "k_pages",
                                                              "v_pages")), md,
                                sm_scale=0.125, implementation="mosaic_gpu")
+
+
+def test_multi_step_decode_pages_stay_finite_without_per_step_tail_zeroing():
+    """A multi-step decode zeroes its slots once (`zero_decode_slots`) and its steps' writes
+    skip the tail zeroing (md.zero_tails=False): at every step each page a sequence reads
+    holds finite values (the Mosaic kernel reads whole pages), its earlier tokens are kept,
+    and no other page is touched."""
+    import dataclasses
+
+    from jaxinfer.attention import write_kv_pages, zero_decode_slots
+
+    rng = np.random.default_rng()
+    ps, hkv, d, steps = 8, 2, 16, 12
+    num_pages, scratch = 16, 15  # finished sequences write into the scratch page
+    kv_lens = np.array([5, 8, 17, 0])  # after this step's first token; row 3 is padding
+    remaining = np.array([12, 3, 7, 0])
+    pages = np.full((4, 5), 0, np.int32)
+    pages[0, :3], pages[1, :2], pages[2, :4] = [3, 9, 1], [4, 12], [7, 2, 11, 5]
+    poison = jnp.full((num_pages, ps, hkv, d), jnp.nan, jnp.float32)
+    # What the cache held before: each sequence's earlier tokens finite, the rest NaN.
+    k_pages, v_pages = poison, poison
+    for s in range(3):
+        for p in range(kv_lens[s] - 1):
+            val = rng.standard_normal((hkv, d))
+            k_pages = k_pages.at[pages[s, p // ps], p % ps].set(val)
+            v_pages = v_pages.at[pages[s, p // ps], p % ps].set(-val)
+    before = np.asarray(k_pages)
+    md = AttentionMetadata(cu_q_lens=jnp.array([0, 1, 2, 3, 3]), kv_lens=jnp.asarray(kv_lens),
+                           page_indices=jnp.asarray(pages), num_seqs=jnp.array([3]))
+    [(k_pages, v_pages)] = zero_decode_slots([(k_pages, v_pages)], md,
+                                             jnp.minimum(jnp.asarray(remaining), steps), steps)
+    after = np.asarray(k_pages)
+    used = {int(pages[s, p // ps]) for s in range(3)
+            for p in range(kv_lens[s] - 1 + min(remaining[s], steps))}
+    untouched = [p for p in range(num_pages) if p not in used | {scratch}]
+    np.testing.assert_array_equal(after[untouched], before[untouched])  # NaN stays NaN
+    md = dataclasses.replace(md, zero_tails=False)
+    for i in range(steps):
+        live = np.minimum(remaining, steps) > i  # as the runner's loop: done rows go to scratch
+        step_md = dataclasses.replace(md, kv_lens=jnp.asarray(kv_lens + np.minimum(i, remaining)),
+                                      page_indices=jnp.asarray(np.where(live[:, None], pages,
+                                                                        scratch)))
+        new = jnp.asarray(rng.standard_normal((4, hkv, d)), jnp.float32)
+        k_pages, v_pages = write_kv_pages(new, new, k_pages, v_pages, step_md)
+        k, v = np.asarray(k_pages), np.asarray(v_pages)
+        for s in np.flatnonzero(live[:3]):
+            pos = kv_lens[s] - 1 + i
+            read = pages[s, :pos // ps + 1]
+            assert np.isfinite(k[read]).all() and np.isfinite(v[read]).all(), (s, i)
+            np.testing.assert_array_equal(k[pages[s, pos // ps], pos % ps], new[s])
+    np.testing.assert_array_equal(np.asarray(k_pages)[untouched], before[untouched])

@@ -263,3 +263,32 @@ def test_decode_batches_pad_tokens_to_the_sequence_bucket():
     prefill = runner.prepare([SeqChunk(new_tokens=[5, 6], num_cached=0, pages=[0]),
                               SeqChunk(new_tokens=[7], num_cached=3, pages=[1])])
     assert prefill.token_ids.shape == (16,) and prefill.md.kv_lens.shape == (2,)
+
+
+@pytest.mark.gpu
+def test_gpu_multi_step_decode_over_poisoned_pages_matches_single_steps():
+    """On the GPU (bf16, the Mosaic attention kernel, which reads whole pages): with every
+    cache page NaN before the run, an 8-step on-device decode (page tails zeroed once per
+    loop, `zero_decode_slots`) gives the single-step engine's greedy tokens (tails zeroed by
+    every step's write), and both are NaN-free."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.presets import random_model
+
+    config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
+                         intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,
+                         head_dim=64, max_position_embeddings=2048, eos_token_ids=(1,))
+    model = random_model(config, jnp.bfloat16, seed=11)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(2, 2048, n).tolist() for n in (5, 16, 37, 90)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for steps in (1, 8):
+        llm = LLM(model, kv_cache_bytes=64 << 20, decode_steps=steps, page_size=16)
+        llm.runner.kv_cache = [tuple(jnp.full_like(p, jnp.nan) for p in layer)
+                               for layer in llm.runner.kv_cache]
+        jax.block_until_ready(llm.runner.kv_cache)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert all(len(t) == 40 for t in outs[-1])
+    assert outs[0] == outs[1]

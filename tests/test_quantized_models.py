@@ -137,8 +137,8 @@ def test_tiny_quantized_conversions(family, hf_models, tmp_path):
         assert _disk_bytes(out) < _disk_bytes(float_dir)
 
         llm = LLM(out, kv_cache_bytes=KV_BYTES)
-        q_proj = llm.model.layers[0].attn.q_proj
-        assert q_proj.quantized and q_proj.activations == ("fp8" if fmt == "fp8" else None)
+        qkv_proj = llm.model.layers[0].attn.qkv_proj  # q/k/v joined by the runner
+        assert qkv_proj.quantized and qkv_proj.activations == ("fp8" if fmt == "fp8" else None)
         assert not hasattr(llm.model.embed.embedding, "weight_scale")
         logits = llm.logits(prompts)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref, strict=True))
@@ -156,7 +156,7 @@ def test_old_model_config_without_quantization_loads(hf_models, tmp_path):
     del cfg["quantization"]
     (out / "model_config.json").write_text(json.dumps(cfg))
     llm = LLM(out, kv_cache_bytes=KV_BYTES)
-    assert llm.config.quantization is None and not llm.model.layers[0].mlp.up_proj.quantized
+    assert llm.config.quantization is None and not llm.model.layers[0].mlp.gate_up_proj.quantized
 
 
 # --- SmolLM2: logits and perplexity of int8 / int4 / the GGUF's own int4 vs bf16 -----------------
@@ -210,7 +210,9 @@ def test_smollm2_quantized_logits_and_perplexity(smollm2_gguf, tmp_path):
     # Loading the .gguf itself (no convert) keeps the same native int4 weights.
     direct = LLM(smollm2_gguf, dtype="bfloat16", kv_cache_bytes=KV_BYTES)
     assert direct.config.quantization == "gguf"
-    assert direct.model.layers[0].attn.q_proj.quantized_weight().offsets is not None
+    attn = direct.model.layers[0].attn  # q/k/v joined by the runner when of one format
+    proj = attn.q_proj if attn.qkv_proj is None else attn.qkv_proj
+    assert proj.quantized_weight().offsets is not None
     np.testing.assert_array_equal(direct.logits([ids])[0], results["gguf"][0])
 
 

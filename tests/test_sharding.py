@@ -65,9 +65,11 @@ def test_dense_tensor_parallel_logits(hf_models, unsharded_logits, mesh):
     tp = MeshSpec.parse(mesh).tp
     assert llm.runner.mesh.size == tp
     assert llm.config.num_kv_heads == max(2, tp)
-    q = llm.model.layers[0].attn.q_proj.weight[...]
-    assert len(q.sharding.device_set) == tp
-    assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0] // tp, q.shape[1])}
+    attn = llm.model.layers[0].attn  # q/k/v joined per shard by the runner
+    qkv = attn.qkv_proj.weight[...]
+    assert len(qkv.sharding.device_set) == tp
+    assert {s.data.shape for s in qkv.addressable_shards} == {(qkv.shape[0] // tp, qkv.shape[1])}
+    assert attn.qkv_sizes == (4 * 16, max(2, tp) * 16, max(2, tp) * 16)
     k_pages = llm.runner.kv_cache[0][0]
     assert {s.data.shape[2] for s in k_pages.addressable_shards} == {llm.config.num_kv_heads // tp}
     got = llm.logits(prompts)
@@ -269,3 +271,40 @@ def test_two_processes_cli_generate(hf_models):
         outs.append(without_gloo_notices(stdout))
     assert outs[0] == without_gloo_notices(alone.stdout) and outs[0].startswith("The theory")
     assert outs[1] == ""
+
+
+@pytest.mark.parametrize("preset, mesh", [("tiny", "tp=1"), ("tiny", "tp=2"),
+                                          ("tiny", "tp=4"), ("tiny-moe", "tp=2,ep=2")])
+def test_fused_projections_compute_the_separate_ones(preset, mesh):
+    """`Decoder.fuse_projections` (q/k/v and gate/up as one GEMM each, joined per shard; the
+    runner's model): the same hidden states as the separate projections, on every mesh
+    (tp=4 > 2 KV heads: the repeated k/v rows join too)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxinfer.attention import AttentionMetadata
+    from jaxinfer.presets import random_model
+
+    jax_mesh = MeshSpec.parse(mesh).meshes()[0]
+    model = random_model(preset_config(preset), jnp.float32, seed=3, mesh=jax_mesh)
+    c = model.config
+    tokens = jnp.asarray(_prompts(lengths=(21,))[0], jnp.int32)
+    md = AttentionMetadata(cu_q_lens=jnp.array([0, 21]), kv_lens=jnp.array([21]),
+                           page_indices=jnp.arange(4)[None], num_seqs=jnp.array([1]))
+    kv = [(jnp.zeros((5, 8, c.num_kv_heads, c.head_dim)),) * 2 for _ in range(c.num_layers)]
+
+    def hidden(model):
+        graphdef, state = nnx.split(model)
+        with jax.set_mesh(jax_mesh):
+            return np.asarray(jax.jit(lambda s: nnx.merge(graphdef, s)(
+                tokens, jnp.arange(21), kv, md)[0])(state))
+
+    separate = hidden(model)
+    model.fuse_projections()
+    layer = model.layers[0]
+    assert layer.attn.q_proj is None and layer.attn.qkv_proj is not None
+    if preset == "tiny":  # (the MoE's experts hold gate_up joined already)
+        assert layer.mlp.gate_proj is None and layer.mlp.gate_up_proj is not None
+    fused = hidden(model)
+    assert np.isfinite(separate).all()
+    np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5)
