@@ -266,8 +266,8 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
 def _ceilings_in_subprocess():
     """The device ceilings, measured by a child process on the same device. Not in this
     process: on the GPU they are timed with CUPTI (jax's Mosaic profiler), which leaves a
-    per-launch cost behind in the process that used it (bench latency measured 5.89 ms per
-    token after it, 5.32 without; bench/NOTES.md)."""
+    per-launch cost behind in the process that used it (Llama-8B batch-1 decode: 5.42 ms per
+    token after it, 5.29 without, in one lease; `bench/step_times.py`, bench/NOTES.md)."""
     import subprocess
 
     from jaxinfer.bench import Ceilings
