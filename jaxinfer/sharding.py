@@ -297,14 +297,28 @@ def _out_axis(key: str) -> int:
 def _relayout_array(a, how: str, factor: int, out_axis: int, kv_heads: int, xp):
     """`ParamPlacer`'s layout changes along the out-features axis (numpy or jax, by xp)."""
     a = xp.moveaxis(a, out_axis, 0)
-    n = a.shape[0]
     if how == "repeat":  # [kv_heads * D, ...] -> each head's D rows `factor` times
         heads = a.reshape(kv_heads, -1, *a.shape[1:])
         a = xp.repeat(heads, factor, axis=0).reshape(-1, *a.shape[1:])
     else:  # "regroup": [gate | up], each split in `factor` -> [gate_0 up_0 | gate_1 up_1 ...]
-        a = a.reshape(2, factor, n // (2 * factor), *a.shape[1:])
-        a = xp.swapaxes(a, 0, 1).reshape(n, *a.shape[3:])
+        a = join_per_shard(xp.split(a, 2, axis=0), 0, factor, xp)
     return xp.moveaxis(a, 0, out_axis)
+
+
+def join_per_shard(arrays, axis: int, shards: int, xp=np):
+    """arrays joined along `axis` shard by shard: each is cut in `shards` equal pieces and
+    the result is [a_0 b_0 ... | a_1 b_1 ... | ...], so that shard i of the result (split
+    over `axis`) holds shard i of every array. numpy or jax, by xp."""
+    pieces = [xp.moveaxis(a, axis, 0) for a in arrays]
+    pieces = [p.reshape(shards, -1, *p.shape[1:]) for p in pieces]
+    out = xp.concatenate(pieces, axis=1)
+    return xp.moveaxis(out.reshape(-1, *out.shape[2:]), 0, axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def join_per_shard_on_device(arrays, axis: int, shards: int, sharding):
+    """`join_per_shard` on the devices, the result placed with `sharding`."""
+    return jax.lax.with_sharding_constraint(join_per_shard(arrays, axis, shards, jnp), sharding)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))

@@ -22,7 +22,13 @@ from jaxinfer.attention import KV_PAGES_AXES, AttentionMetadata, ragged_paged_at
 from jaxinfer.config import ModelConfig
 from jaxinfer.linear import linear
 from jaxinfer.quant import QuantizedWeight
-from jaxinfer.sharding import P, current_mesh, reduce_over, shard_map_logical
+from jaxinfer.sharding import (
+    P,
+    current_mesh,
+    join_per_shard_on_device,
+    reduce_over,
+    shard_map_logical,
+)
 
 _init = nnx.initializers.normal(0.02)
 
@@ -163,8 +169,8 @@ def fuse_linears(parts: list[Linear]) -> tuple[Linear, tuple[int, ...]] | None:
         return None
     shards = shards.pop()
     # values join along axis 0, scales and offsets [G, N] along axis 1.
-    joined = [_concat_per_shard(tuple(tensors(lay)[i] for lay in parts), min(i, 1), shards,
-                                t.sharding)
+    joined = [join_per_shard_on_device(tuple(tensors(lay)[i] for lay in parts), min(i, 1),
+                                       shards, t.sharding)
               for i, t in enumerate(tensors(first))]
     axes = first.axes
     first.weight = nnx.Param(joined[0], axes=axes)
@@ -175,19 +181,9 @@ def fuse_linears(parts: list[Linear]) -> tuple[Linear, tuple[int, ...]] | None:
             first.weight_offset = nnx.Param(joined[2], axes=parts_axes)
     if first.bias is not None:
         bias = first.bias[...]
-        first.bias = nnx.Param(_concat_per_shard(tuple(lay.bias[...] for lay in parts), 0,
-                                                 shards, bias.sharding), axes=P(axes[0]))
+        first.bias = nnx.Param(join_per_shard_on_device(
+            tuple(lay.bias[...] for lay in parts), 0, shards, bias.sharding), axes=P(axes[0]))
     return first, sizes
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _concat_per_shard(arrays, axis: int, shards: int, sharding):
-    """arrays along `axis`, each cut in `shards` pieces: [a_0 b_0 | a_1 b_1 | ...]."""
-    pieces = [jnp.moveaxis(a, axis, 0) for a in arrays]
-    pieces = [p.reshape(shards, -1, *p.shape[1:]) for p in pieces]
-    out = jnp.concatenate(pieces, axis=1)
-    out = jnp.moveaxis(out.reshape(-1, *out.shape[2:]), 0, axis)
-    return jax.lax.with_sharding_constraint(out, sharding)
 
 
 def split_columns(y, sizes: tuple[int, ...], axis: str):

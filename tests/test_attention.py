@@ -188,8 +188,6 @@ def test_multi_step_decode_pages_stay_finite_without_per_step_tail_zeroing():
     skip the tail zeroing (md.zero_tails=False): at every step each page a sequence reads
     holds finite values (the Mosaic kernel reads whole pages), its earlier tokens are kept,
     and no other page is touched."""
-    import dataclasses
-
     from jaxinfer.attention import write_kv_pages, zero_decode_slots
 
     rng = np.random.default_rng()
