@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device lease for the serving engine (issue 6): host overhead (CUPTI), batch-1 latency,
-# 64-request throughput, then the HTTP load generator against `jaxinfer serve`.
+# the batch-64 decode phase, 64-request throughput, then the HTTP load generator against
+# `jaxinfer serve`; the other parts are the experiments bench/NOTES.md describes.
 #   device run: bash bench/gpu_serve.sh [part...]   (carry: .whl = the jaxinfer wheel plus the
 #   fastapi / starlette / pydantic / uvicorn wheels, see bench/RESULTS.md)
 source "$(dirname "$0")/device_env.sh"  # wheels -> /tmp/site, $OUT, $REPO, cd /tmp
@@ -8,31 +9,88 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /
   $(ls $REPO/.whl/*.whl | grep -v /jaxinfer-) 2>&1 | grep -v "^WARNING" | tail -2
 J="python3 -m jaxinfer.cli.main"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-parts=${*:-"overhead latency throughput serve"}
+parts=${*:-"overhead latency latency64 throughput serve"}
+N=${DECODE_STEPS:-32}  # decode steps per host round trip (the experiment parts name their own)
 for part in $parts; do
   case $part in
   overhead)
-    for steps in 1 8; do
+    for steps in 1 8 $N; do
       python3 $REPO/bench/host_overhead.py --preset llama3-8b --batch 1 --decode-steps $steps \
         --json $OUT/overhead_b1_n$steps.json 2>&1 | grep -v "^WARNING" | tail -2
     done ;;
   overhead64)
     python3 $REPO/bench/host_overhead.py --preset llama3-8b --batch 64 --ctx 1152 \
-      --decode-steps 8 --json $OUT/overhead_b64_n8.json 2>&1 | grep -v "^WARNING" | tail -2 ;;
+      --decode-steps $N --top 15 --json $OUT/overhead_b64.json 2>&1 | grep -v "^WARNING" | tail -20 ;;
+  timeline)  # where the GPU idles during decode (jax.profiler trace): batch 1 and 64, then
+    # batch 1 with the decode loop in CUDA graphs
+    graphs="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+    for run in "b1 --batch 1" "b64 --batch 64 --ctx 1152 --steps 3" "b1graphs --batch 1"; do
+      set -- $run
+      tag=$1; shift
+      flags=""; [ "$tag" = b1graphs ] && flags="$graphs --xla_gpu_graph_min_graph_size=1"
+      echo "== timeline $tag"
+      (cd "$REPO/bench" && XLA_FLAGS=$flags timeout -k 5 200 python3 timeline.py \
+        --preset llama3-8b --decode-steps 8 "$@" --json "$OUT/timeline_$tag.json" 2>&1 \
+        | grep -v "^WARNING\|^W0000\|^I0000" | tail -18)
+    done ;;
+  nocb)  # XLA's command buffers (CUDA graphs, on by default) off vs on, in turn
+    nocb="--xla_gpu_enable_command_buffer="
+    for round in 1 2; do
+      for flags in "" "$nocb"; do
+        echo "XLA_FLAGS=${flags:-(none)}: $(XLA_FLAGS=$flags $J bench latency --preset llama3-8b --batch 1 \
+          --input-len 512 --output-len 128 --kv-cache-gb 8 --decode-steps 8 2>&1 | grep per-token)"
+      done
+    done
+    for flags in "" "$nocb"; do
+      echo "XLA_FLAGS=${flags:-(none)}: $(XLA_FLAGS=$flags python3 $REPO/bench/host_overhead.py \
+        --preset llama3-8b --batch 64 --ctx 1152 --decode-steps 8 2>&1 | grep ms/token)"
+    done
+    (cd "$REPO/bench" && XLA_FLAGS=$nocb timeout -k 5 200 python3 timeline.py --preset llama3-8b \
+      --decode-steps 8 --batch 1 --json "$OUT/timeline_nocb.json" 2>&1 \
+      | grep -v "^WARNING\|^W0000\|^I0000" | tail -18) ;;
+  ab)  # batch-1 latency (and batch-64 decode) of this wheel against .whl/old/ (a previous
+    # commit's wheel), in turn; then this wheel at 16 and 32 decode steps per round trip
+    rm -rf /tmp/site_old; python3 -m pip install -q --no-index --no-deps --no-compile \
+      --target /tmp/site_old $REPO/.whl/old/jaxinfer-*.whl
+    lat() { $J bench latency --preset llama3-8b --batch 1 --input-len 512 --output-len 128 \
+      --kv-cache-gb 8 --decode-steps ${1:-8} 2>&1 | grep per-token; }
+    for round in 1 2; do
+      echo "new: $(lat)"; echo "old: $(PYTHONPATH=/tmp/site_old lat)"
+    done
+    echo "new, 16 steps: $(lat 16)"; echo "new, 32 steps: $(lat 32)"
+    for site in /tmp/site /tmp/site_old; do
+      echo "$site b64: $(PYTHONPATH=$site python3 $REPO/bench/host_overhead.py --preset llama3-8b \
+        --batch 64 --ctx 1152 --decode-steps 8 2>&1 | grep ms/token)"
+    done ;;
   latency)
     $J bench latency --preset llama3-8b --batch 1 --input-len 512 --output-len 128 \
-      --kv-cache-gb 8 --decode-steps 8 --record $OUT/RESULTS.md --json $OUT/latency_b1.json \
+      --kv-cache-gb 8 --decode-steps $N --record $OUT/RESULTS.md --json $OUT/latency_b1.json \
       2>&1 | grep -v "^WARNING" ;;
+  latency64)  # the decode phase of 64 sequences of 1024 prompt tokens (the throughput batch)
+    $J bench latency --preset llama3-8b --batch 64 --input-len 1024 --output-len 256 \
+      --kv-cache-gb 24 --max-num-seqs 64 --max-num-batched-tokens 2048 --decode-steps $N \
+      --json $OUT/latency_b64.json 2>&1 | grep -v "^WARNING" | tail -4 ;;
+  graphs)  # batch-1 latency with and without the decode loop in CUDA graphs, in turn
+    graphs="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+    for round in 1 2; do
+      for flags in "" "$graphs --xla_gpu_graph_min_graph_size=1"; do
+        echo "XLA_FLAGS=${flags:-(none)}"
+        XLA_FLAGS=$flags $J bench latency --preset llama3-8b --batch 1 --input-len 512 \
+          --output-len 128 --kv-cache-gb 8 --decode-steps 8 2>&1 | grep "per-token"
+      done
+    done
+    XLA_FLAGS="$graphs --xla_gpu_graph_min_graph_size=1" python3 $REPO/bench/host_overhead.py \
+      --preset llama3-8b --batch 1 --decode-steps 8 --top 12 2>&1 | grep -v "^WARNING" | tail -16 ;;
   throughput)
     $J bench throughput --preset llama3-8b --num-requests 64 --input-len 1024 --output-len 256 \
-      --max-num-seqs 64 --max-num-batched-tokens 2048 --kv-cache-gb 24 --decode-steps 8 \
+      --max-num-seqs 64 --max-num-batched-tokens 2048 --kv-cache-gb 24 --decode-steps $N \
       --record $OUT/RESULTS.md --json $OUT/throughput.json 2>&1 | grep -v "^WARNING" ;;
   serve)
     # The server's own warm-up would compile ~50 Llama-8B step shapes; a warm-up pass of
     # the load (other prompts, same lengths) compiles the ones this load uses instead.
     $J bench serve --preset llama3-8b --num-requests 64 --concurrency 64 --input-len 1024 \
       --output-len 256 --max-num-seqs 64 --max-num-batched-tokens 2048 --kv-cache-gb 24 \
-      --max-model-len 1536 --decode-steps 8 --no-server-warmup --record $OUT/RESULTS.md \
+      --max-model-len 1536 --decode-steps $N --no-server-warmup --record $OUT/RESULTS.md \
       --json $OUT/serve_c64.json 2>&1 | grep -v "^WARNING\|INFO:" ;;
   esac
 done

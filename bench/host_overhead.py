@@ -18,6 +18,34 @@ import time
 import jax.numpy as jnp
 
 
+def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: int,
+                 mesh_spec: str | None):
+    """(LLM, mesh) with `batch` requests of `ctx` prompt tokens prefilled and decoding (decode
+    shapes compiled), with room for 8 measurements of `steps` engine steps."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.sharding import MeshSpec
+
+    config = preset_config(preset)
+    max_len = ctx + 8 * steps * decode_steps + 64
+    mesh = MeshSpec.parse(mesh_spec).meshes()[0]
+    # Pages for every sequence's whole length: a smaller pool would preempt and recompute.
+    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # bf16
+    llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh),
+              kv_cache_bytes=max(8 << 30, int(1.1 * batch * max_len * kv_token)),
+              max_model_len=max_len, max_num_seqs=batch, decode_steps=decode_steps,
+              mesh=mesh_spec)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_len - ctx - 1, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([2 + (i + j) % 1000 for j in range(ctx)], params)
+    while any(r.num_output == 0 for r in engine.running + list(engine.waiting)):
+        engine.step()  # prefill
+    for _ in range(3):
+        engine.step()  # compile the decode shapes
+    return llm, mesh
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama3-8b")
@@ -33,26 +61,12 @@ def main():
     args = ap.parse_args()
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI, as mosaic's profiler
 
-    from jaxinfer import LLM, SamplingParams
     from jaxinfer.bench import measure_ceilings, weight_bytes
-    from jaxinfer.presets import preset_config, random_model
-    from jaxinfer.sharding import MeshSpec
 
-    config = preset_config(args.preset)
-    max_len = args.ctx + 8 * args.steps * args.decode_steps + 64
-    mesh = MeshSpec.parse(args.mesh).meshes()[0]
-    llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh), kv_cache_bytes=8 << 30,
-              max_model_len=max_len, max_num_seqs=args.batch, decode_steps=args.decode_steps,
-              mesh=args.mesh)
+    llm, mesh = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
+                             args.mesh)
     devices = mesh.size  # CUPTI records every device's kernels: times are summed over them
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=max_len - args.ctx - 1, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request([2 + (i + j) % 1000 for j in range(args.ctx)], params)
-    while any(r.num_output == 0 for r in engine.running + list(engine.waiting)):
-        engine.step()  # prefill
-    for _ in range(3):
-        engine.step()  # compile the decode shapes
 
     def run():
         return sum(len(d.token_ids) for _ in range(args.steps) for d in engine.step())

@@ -146,9 +146,12 @@ def throughput(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
                 decode_steps, mesh)
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
+    decode, roof = r["decode_tokens_per_s"], r["decode_roofline_tokens_per_s"]
     headline = (f"{r['num_requests']} requests (in <= {input_len}, out {output_len}): "
                 f"{r['output_tokens_per_s']:.1f} output tokens/s, "
-                f"{r['requests_per_s']:.2f} requests/s, {r['seconds']:.1f} s")
+                f"{r['requests_per_s']:.2f} requests/s, {r['seconds']:.1f} s; decode-only "
+                f"steps {decode:.1f} tokens/s = {100 * decode / max(roof, 1e-9):.1f}% of their "
+                f"roofline ({roof:.0f} tokens/s)")
     _report("throughput", ceilings, rows, headline, r, json_path, record)
 
 

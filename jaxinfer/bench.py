@@ -72,9 +72,12 @@ def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None)
     return Ceilings(2 * copy_bytes / t_copy, 2 * matmul_n**3 / t_mm)
 
 
-def roofline(name: str, seconds: float, bytes_moved: float, flops: float, c: Ceilings) -> dict:
-    """One measured thing against both ceilings."""
-    floor = max(bytes_moved / c.copy_bytes_per_s, flops / c.matmul_flops_per_s)
+def roofline(name: str, seconds: float, bytes_moved: float, flops: float, c: Ceilings,
+             floor: float | None = None) -> dict:
+    """One measured thing against both ceilings. The floor is the slower of the two unless
+    given (a run of steps: the sum of each step's floor)."""
+    if floor is None:
+        floor = max(bytes_moved / c.copy_bytes_per_s, flops / c.matmul_flops_per_s)
     return {
         "name": name, "time_us": seconds * 1e6, "bytes": bytes_moved, "flops": flops,
         "pct_copy_bw": 100 * bytes_moved / seconds / c.copy_bytes_per_s,
@@ -222,35 +225,89 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
 
 def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
                      ceilings: Ceilings, seed: int = 0) -> tuple[dict, list[dict]]:
-    """Offline: num_requests prompts, lengths uniform in [input_len/2, input_len], all at once."""
+    """Offline: num_requests prompts, lengths uniform in [input_len/2, input_len], all at once.
+
+    Each engine step is timed and given its own floor, the slower of its FLOPs (2 x active
+    weights per token run, plus attention) at the matmul rate and its bytes (weights once per
+    device iteration, every live token's K/V once per iteration) at the copy bandwidth; a
+    run's floor is the sum of its steps' floors. Two rows: the whole run (prefill included),
+    and its decode-only steps (every running request decoding, nothing waiting), the batch's
+    decode roofline."""
     rng = np.random.default_rng(seed)
-    c = llm.config
+    c, engine = llm.config, llm.engine
     lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    # A first pass with other prompts of the same lengths compiles every step shape the
-    # workload touches; the same prompts again would hit the prefix cache and skip prefill.
-    llm.generate([rng.integers(2, c.vocab_size, n).tolist() for n in lens], params)
-    prompts = [rng.integers(2, c.vocab_size, n).tolist() for n in lens]
-    steps_before, t = llm.engine.num_steps, time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - t
-    steps = llm.engine.num_steps - steps_before
-    generated = sum(len(o.token_ids) for o in outs)
-    # The mean step: all weights once, plus every token's K/V read once per step it is live in
-    # (a sequence of final length L is live ~output_len steps at mean context L - output_len/2).
     itemsize = llm.model.embed.embedding.dtype.itemsize
     kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
-    w_bytes = weight_bytes(llm.model, tokens=len(lens))  # MoE: ~the experts a step hits
-    kv_reads = sum(output_len * (n + output_len / 2) for n in lens) * kv_token
-    all_tokens = int(sum(lens)) + generated
-    step_bytes = w_bytes + kv_reads / steps
-    step_flops = 2 * weight_count(llm.model, active=True) * all_tokens / steps
-    summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-               "seconds": elapsed, "steps": steps, "output_tokens_per_s": generated / elapsed,
-               "requests_per_s": num_requests / elapsed}
+    w_bytes = weight_bytes(llm.model, tokens=num_requests)  # MoE: ~the experts a step hits
+    flops_token = 2 * weight_count(llm.model, active=True)
+    head_flops = 2 * c.vocab_size * c.hidden_size  # logits: one row per sequence and step
+    attn_flops = 4 * c.num_heads * c.head_dim * c.num_layers  # per (query, key) pair
     devices = llm.runner.mesh.size
-    summary["devices"] = devices
-    rows = [roofline(f"mean step ({steps} steps, {all_tokens} tokens, {devices} device"
-                     f"{'s' if devices > 1 else ''})", elapsed / steps, step_bytes, step_flops,
-                     ceilings.times(devices))]
+    cd = ceilings.times(devices)
+
+    def run(prompts) -> dict:
+        start = time.perf_counter()
+        for p in prompts:
+            engine.add_request(p, params)
+        # totals over all steps ("all") and over the decode-only ones ("decode")
+        tot = {k: dict(seconds=0.0, bytes=0.0, flops=0.0, floor=0.0, steps=0, tokens=0)
+               for k in ("all", "decode")}
+        while engine.has_unfinished():
+            decode_only = not engine.waiting and all(
+                r.num_cached == len(r.all_ids) - 1 for r in engine.running)
+            before = {r: (r.num_cached, len(r.all_ids)) for r in engine.running}
+            t = time.perf_counter()
+            deltas = engine.step()
+            seconds = time.perf_counter() - t
+            produced = {d.request: len(d.token_ids) for d in deltas}
+            iterations, kv_tokens, flops = 1, 0.0, 0.0
+            for r, (cached, length) in before.items():
+                n = r.num_cached - cached  # queries run (0: preempted or not scheduled)
+                if n <= 0:
+                    continue
+                if cached == length - 1:  # decoding: n iterations at contexts cached + 1..n
+                    iterations = max(iterations, n)
+                    kv_read = n * cached + n * (n + 1) / 2
+                    attn_pairs = kv_read
+                else:  # a prefill chunk: its keys read once, causal pairs ~n x (cached + n/2)
+                    kv_read = cached + n
+                    attn_pairs = n * (cached + n / 2)
+                kv_tokens += kv_read
+                logits_rows = n if cached == length - 1 else 1
+                flops += ((flops_token - head_flops) * n + head_flops * logits_rows
+                          + attn_flops * attn_pairs)
+            kv_bytes = kv_tokens * kv_token
+            step_bytes = iterations * w_bytes + kv_bytes
+            floor = max(step_bytes / cd.copy_bytes_per_s, flops / cd.matmul_flops_per_s)
+            for key in ("all", "decode") if decode_only else ("all",):
+                k = tot[key]
+                k["seconds"] += seconds
+                k["bytes"] += step_bytes
+                k["flops"] += flops
+                k["floor"] += floor
+                k["steps"] += 1
+                k["tokens"] += sum(produced.values())
+        tot["all"]["seconds"] = time.perf_counter() - start  # the wall time, not only steps'
+        return tot
+
+    # A first pass with other prompts of the same lengths compiles every step shape the
+    # workload touches; the same prompts again would hit the prefix cache and skip prefill.
+    run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
+    tot = run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
+    a, d = tot["all"], tot["decode"]
+    summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
+               "seconds": a["seconds"], "steps": a["steps"], "output_tokens": a["tokens"],
+               "decode_tokens": d["tokens"],
+               "output_tokens_per_s": a["tokens"] / a["seconds"],
+               "requests_per_s": num_requests / a["seconds"], "devices": devices,
+               "floor_seconds": a["floor"], "decode_steps_run": d["steps"],
+               "decode_tokens_per_s": d["tokens"] / d["seconds"] if d["steps"] else 0.0,
+               "decode_roofline_tokens_per_s": d["tokens"] / d["floor"] if d["steps"] else 0.0}
+    rows = [roofline(f"whole run ({a['steps']} steps, {a['tokens']} output tokens, {devices} "
+                     f"device{'s' if devices > 1 else ''})", a["seconds"], a["bytes"],
+                     a["flops"], cd, floor=a["floor"])]
+    if d["steps"]:
+        rows.append(roofline(f"decode-only steps ({d['steps']}, {d['tokens']} tokens)",
+                             d["seconds"], d["bytes"], d["flops"], cd, floor=d["floor"]))
     return summary, rows

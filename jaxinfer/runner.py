@@ -146,16 +146,18 @@ class ModelRunner:
                 lp = (jnp.zeros(S), jnp.zeros((S, 1), jnp.int32), jnp.zeros((S, 1)))
             return tokens, lp, kv_cache
 
-        md = inputs.md
-        if num_steps > 1:  # the loop's page tails zeroed once, not by every step's write
-            kv_cache = zero_decode_slots(kv_cache, md, jnp.minimum(inputs.remaining, num_steps),
-                                         num_steps)
-            md = dataclasses.replace(md, zero_tails=False)
-        tokens, lp, kv_cache = forward(kv_cache, inputs.token_ids, inputs.positions, md,
-                                       inputs.sampling.steps, seen, counts)
         if num_steps == 1:
+            tokens, lp, kv_cache = forward(kv_cache, inputs.token_ids, inputs.positions,
+                                           inputs.md, inputs.sampling.steps, seen, counts)
             return (tokens[:, None], lp[0][:, None], lp[1][:, None], lp[2][:, None]), kv_cache
 
+        # A decode-only batch (token s is sequence s's): all num_steps steps run in one while
+        # loop (the first is not peeled off ahead of it), so the program holds one copy of
+        # the model. The page slots the loop will write are zeroed once, here, not by every
+        # step's write.
+        kv_cache = zero_decode_slots(kv_cache, inputs.md,
+                                     jnp.minimum(inputs.remaining, num_steps), num_steps)
+        md = dataclasses.replace(inputs.md, zero_tails=False)
         live = rows < inputs.md.num_seqs[0]
         eos = jnp.asarray(self.eos_token_ids or (-2,), jnp.int32)
 
@@ -163,12 +165,12 @@ class ModelRunner:
             is_eos = jnp.any(tokens[:, None] == eos[None, :], axis=-1) & inputs.stops_on_eos
             return is_eos | (produced >= inputs.remaining) | ~live
 
-        out_tokens = jnp.full((S, num_steps), -1, jnp.int32).at[:, 0].set(tokens)
-        out_lp = jnp.zeros((S, num_steps)).at[:, 0].set(lp[0])
-        out_top_ids = jnp.zeros((S, num_steps, num_top), jnp.int32).at[:, 0].set(lp[1])
-        out_top_lp = jnp.zeros((S, num_steps, num_top)).at[:, 0].set(lp[2])
-        carry = (1, kv_cache, tokens, finished(tokens, 1), md, inputs.positions,
-                 inputs.sampling.steps + 1, seen, counts, out_tokens, out_lp, out_top_ids,
+        out_tokens = jnp.full((S, num_steps), -1, jnp.int32)
+        out_lp = jnp.zeros((S, num_steps))
+        out_top_ids = jnp.zeros((S, num_steps, num_top), jnp.int32)
+        out_top_lp = jnp.zeros((S, num_steps, num_top))
+        carry = (0, kv_cache, inputs.token_ids[:S], ~live, md, inputs.positions,
+                 inputs.sampling.steps, seen, counts, out_tokens, out_lp, out_top_ids,
                  out_top_lp)
 
         def cond(carry):
@@ -176,13 +178,15 @@ class ModelRunner:
             return (i < num_steps) & ~jnp.all(done)
 
         def body(carry):
+            """Step i: the batch's own tokens at i = 0, then each sequence's last sample."""
             (i, kv_cache, last, done, md, positions, steps, seen, counts,
              out_tokens, out_lp, out_top_ids, out_top_lp) = carry
+            later = i > 0
             if penalties:
-                seen = seen.at[rows, last].set(True)
-                counts = counts.at[rows, last].add(1)
+                seen = seen.at[rows, last].set(seen[rows, last] | later)
+                counts = counts.at[rows, last].add(later.astype(counts.dtype))
             # Finished sequences stop advancing and write into the scratch page.
-            step = (~done).astype(jnp.int32)
+            step = (~done & later).astype(jnp.int32)
             md = dataclasses.replace(
                 md, kv_lens=md.kv_lens + step,
                 page_indices=jnp.where(done[:, None], self.scratch_page, md.page_indices))

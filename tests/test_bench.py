@@ -68,9 +68,14 @@ def test_moe_active_weights():
 
 def test_bench_throughput_tiny(tmp_path):
     data = _run(["throughput", "--preset", "tiny", "--num-requests", "6", "--input-len", "12",
-                 "--output-len", "4", "--kv-cache-gb", "0.01", "--profile",
-                 str(tmp_path / "trace")], tmp_path)
+                 "--output-len", "4", "--kv-cache-gb", "0.01", "--decode-steps", "2",
+                 "--profile", str(tmp_path / "trace")], tmp_path)
     assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0 and data["steps"] > 0
+    # Every output token counted once; after the prefills, decode-only steps of 2 iterations.
+    assert data["output_tokens"] == 6 * 4 and 0 < data["decode_tokens"] < 6 * 4
+    assert 0 < data["decode_steps_run"] < data["steps"] and data["decode_tokens_per_s"] > 0
+    assert data["floor_seconds"] < data["seconds"]
+    assert [r["name"].split(" (")[0] for r in data["rows"]] == ["whole run", "decode-only steps"]
     _check_rows(data["rows"])
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))  # the jax.profiler trace
 
