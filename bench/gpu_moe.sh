@@ -17,7 +17,7 @@ for part in ${*:-tests kernels e2e}; do
       || tail -20 "$OUT/grouped.log" ;;
   e2e)
     timeout -k 5 300 python3 -m jaxinfer.cli.main bench latency --preset qwen3-30b-a3b \
-      --batch 1 --input-len 512 --output-len 128 --kv-cache-gb 8 --decode-steps 8 \
+      --batch 1 --input-len 512 --output-len 128 --kv-cache-gb 8 --decode-steps "${DECODE_STEPS:-8}" \
       --record "$OUT/RESULTS.md" --json "$OUT/moe_latency_b1.json" > "$OUT/e2e.log" 2>&1
     grep -v "^WARNING" "$OUT/e2e.log" | tail -8 ;;
   esac

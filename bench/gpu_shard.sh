@@ -11,7 +11,8 @@ NGPU=$(nvidia-smi -L | wc -l)
 latency() {  # preset mesh batch tag
   timeout -k 5 280 python3 -m jaxinfer.cli.main bench latency --preset "$1" --mesh "$2" \
     --batch "$3" --input-len 512 --output-len 128 --kv-cache-gb 16 --max-num-seqs 64 \
-    --decode-steps 8 --record "$OUT/RESULTS.md" --json "$OUT/$4.json" > "$OUT/$4.log" 2>&1
+    --decode-steps "${DECODE_STEPS:-8}" --record "$OUT/RESULTS.md" --json "$OUT/$4.json" \
+    > "$OUT/$4.log" 2>&1
   echo "$4: $(grep -h 'per-token' "$OUT/$4.log" || tail -3 "$OUT/$4.log")"
 }
 for part in ${*:-tests plan dense moe}; do

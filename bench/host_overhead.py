@@ -46,16 +46,22 @@ def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: in
     return llm, mesh
 
 
-def main():
+def workload_parser(steps: int, steps_help: str) -> argparse.ArgumentParser:
+    """The options of `decoding_llm`'s workload (and --json)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=12, help="engine steps per measurement")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
+    ap.add_argument("--steps", type=int, default=steps, help=steps_help)
     ap.add_argument("--mesh", default=None, help="e.g. tp=2: kernel time is per device")
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def main():
+    ap = workload_parser(12, "engine steps per measurement")
+    ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
     ap.add_argument("--sequence", type=int, default=0,
                     help="also save the first N kernels recorded, in order, to --json")
     args = ap.parse_args()

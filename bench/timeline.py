@@ -9,7 +9,6 @@ running while the GPU waited.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
@@ -50,18 +49,12 @@ def gaps(events, lo: float, hi: float):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="llama3-8b")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=4, help="engine steps traced")
-    ap.add_argument("--mesh", default=None)
+    from host_overhead import decoding_llm, workload_parser  # bench/, beside this script
+
+    ap = workload_parser(4, "engine steps traced")
     ap.add_argument("--top", type=int, default=12, help="longest gaps listed")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import jax
-    from host_overhead import decoding_llm  # bench/, beside this script
     from jax.profiler import ProfileData
 
     llm, _ = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
