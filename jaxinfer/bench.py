@@ -229,10 +229,10 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
 
     Each engine step is timed and given its own floor, the slower of its FLOPs (2 x active
     weights per token run, plus attention) at the matmul rate and its bytes (weights once per
-    device iteration, every live token's K/V once per iteration) at the copy bandwidth; a
-    run's floor is the sum of its steps' floors. Two rows: the whole run (prefill included),
-    and its decode-only steps (every running request decoding, nothing waiting), the batch's
-    decode roofline."""
+    device iteration and dp replica, every live token's K/V once per iteration) at the copy
+    bandwidth; a run's floor is the sum of its steps' floors. Two rows: the whole run
+    (prefill included), and its decode-only steps (every running request decoding, nothing
+    waiting), the batch's decode roofline."""
     rng = np.random.default_rng(seed)
     c, engine = llm.config, llm.engine
     lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
@@ -243,7 +243,9 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     flops_token = 2 * weight_count(llm.model, active=True)
     head_flops = 2 * c.vocab_size * c.hidden_size  # logits: one row per sequence and step
     attn_flops = 4 * c.num_heads * c.head_dim * c.num_layers  # per (query, key) pair
-    devices = llm.runner.mesh.size
+    # Data parallel: every replica reads its own weights, on its own devices.
+    replicas = len(getattr(engine, "engines", [engine]))
+    devices = llm.runner.mesh.size * replicas
     cd = ceilings.times(devices)
 
     def run(prompts) -> dict:
@@ -251,34 +253,32 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
         for p in prompts:
             engine.add_request(p, params)
         # totals over all steps ("all") and over the decode-only ones ("decode")
-        tot = {k: dict(seconds=0.0, bytes=0.0, flops=0.0, floor=0.0, steps=0, tokens=0)
-               for k in ("all", "decode")}
+        tot = {k: dict(seconds=0.0, bytes=0.0, flops=0.0, floor=0.0, steps=0, tokens=0,
+                       queries=0) for k in ("all", "decode")}
         while engine.has_unfinished():
             decode_only = not engine.waiting and all(
                 r.num_cached == len(r.all_ids) - 1 for r in engine.running)
-            before = {r: (r.num_cached, len(r.all_ids)) for r in engine.running}
             t = time.perf_counter()
             deltas = engine.step()
             seconds = time.perf_counter() - t
             produced = {d.request: len(d.token_ids) for d in deltas}
-            iterations, kv_tokens, flops = 1, 0.0, 0.0
-            for r, (cached, length) in before.items():
-                n = r.num_cached - cached  # queries run (0: preempted or not scheduled)
-                if n <= 0:
-                    continue
-                if cached == length - 1:  # decoding: n iterations at contexts cached + 1..n
+            iterations, kv_tokens, flops, queries = 1, 0.0, 0.0, 0
+            for r, chunk in engine.last_batch:  # what ran, admitted this step or before
+                cached = chunk.num_cached
+                n = r.num_cached - cached  # queries run: a chunk's tokens, or decode iterations
+                if len(chunk.new_tokens) == 1 and r in produced:  # decoding, n iterations
                     iterations = max(iterations, n)
-                    kv_read = n * cached + n * (n + 1) / 2
-                    attn_pairs = kv_read
+                    kv_read = n * cached + n * (n + 1) / 2  # contexts cached + 1 .. cached + n
+                    attn_pairs, logits_rows = kv_read, n
                 else:  # a prefill chunk: its keys read once, causal pairs ~n x (cached + n/2)
                     kv_read = cached + n
-                    attn_pairs = n * (cached + n / 2)
+                    attn_pairs, logits_rows = n * (cached + n / 2), 1
                 kv_tokens += kv_read
-                logits_rows = n if cached == length - 1 else 1
+                queries += n
                 flops += ((flops_token - head_flops) * n + head_flops * logits_rows
                           + attn_flops * attn_pairs)
             kv_bytes = kv_tokens * kv_token
-            step_bytes = iterations * w_bytes + kv_bytes
+            step_bytes = iterations * w_bytes * replicas + kv_bytes
             floor = max(step_bytes / cd.copy_bytes_per_s, flops / cd.matmul_flops_per_s)
             for key in ("all", "decode") if decode_only else ("all",):
                 k = tot[key]
@@ -288,6 +288,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
                 k["floor"] += floor
                 k["steps"] += 1
                 k["tokens"] += sum(produced.values())
+                k["queries"] += queries
         tot["all"]["seconds"] = time.perf_counter() - start  # the wall time, not only steps'
         return tot
 
@@ -298,7 +299,8 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     a, d = tot["all"], tot["decode"]
     summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
                "seconds": a["seconds"], "steps": a["steps"], "output_tokens": a["tokens"],
-               "decode_tokens": d["tokens"],
+               "decode_tokens": d["tokens"], "prompt_tokens": int(sum(lens)),
+               "tokens_run": a["queries"],
                "output_tokens_per_s": a["tokens"] / a["seconds"],
                "requests_per_s": num_requests / a["seconds"], "devices": devices,
                "floor_seconds": a["floor"], "decode_steps_run": d["steps"],

@@ -111,6 +111,7 @@ class Engine:
         self.prefix_query_tokens = self.prefix_hit_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefill + decode)
         self.num_generated_tokens = 0  # output tokens kept
+        self.last_batch: list[tuple[Request, SeqChunk]] = []  # what the last step ran
 
     def validate(self, prompt_ids: list[int], params: SamplingParams):
         """Raises JaxinferError (one line) for a request the engine cannot take. Reads only
@@ -248,7 +249,7 @@ class Engine:
     def launch(self):
         """Schedules a batch and dispatches it to the device without waiting (None: nothing
         to run); `finish` collects it."""
-        batch = self.schedule()
+        batch = self.last_batch = self.schedule()
         if not batch:
             return None
         num_steps = self._decode_steps(batch)
@@ -406,6 +407,10 @@ class ReplicatedEngine:
     @property
     def running(self) -> list[Request]:
         return [r for e in self.engines for r in e.running]
+
+    @property
+    def last_batch(self) -> list[tuple[Request, SeqChunk]]:
+        return [item for e in self.engines for item in e.last_batch]
 
     @property
     def allocator(self) -> PoolTotals:

@@ -73,6 +73,9 @@ def test_bench_throughput_tiny(tmp_path):
     assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0 and data["steps"] > 0
     # Every output token counted once; after the prefills, decode-only steps of 2 iterations.
     assert data["output_tokens"] == 6 * 4 and 0 < data["decode_tokens"] < 6 * 4
+    # Every prompt token runs once (no prefix hits: fresh prompts), then every output token
+    # but the last is fed back.
+    assert data["tokens_run"] == data["prompt_tokens"] + 6 * (4 - 1)
     assert 0 < data["decode_steps_run"] < data["steps"] and data["decode_tokens_per_s"] > 0
     assert data["floor_seconds"] < data["seconds"]
     assert [r["name"].split(" (")[0] for r in data["rows"]] == ["whole run", "decode-only steps"]
