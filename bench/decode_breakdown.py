@@ -31,7 +31,7 @@ def main():
     from jaxinfer.runner import SeqChunk
 
     config = preset_config(args.preset)
-    page_bytes = 2 * config.num_layers * 16 * config.num_kv_heads * config.head_dim * 2
+    page_bytes = 16 * config.kv_bytes_per_token(2)  # bf16
     num_pages = 2 * -(-(args.ctx + 1) // 16)  # a small cache: the non-donating twin copies it
     llm = LLM(random_model(config, jnp.bfloat16), kv_cache_bytes=num_pages * page_bytes)
     r = llm.runner

@@ -30,9 +30,9 @@ def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: in
     max_len = ctx + 8 * steps * decode_steps + 64
     mesh = MeshSpec.parse(mesh_spec).meshes()[0]
     # Pages for every sequence's whole length: a smaller pool would preempt and recompute.
-    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # bf16
+    kv_bytes = batch * max_len * config.kv_bytes_per_token(2)  # bf16
     llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh),
-              kv_cache_bytes=max(8 << 30, int(1.1 * batch * max_len * kv_token)),
+              kv_cache_bytes=max(8 << 30, int(1.1 * kv_bytes)),
               max_model_len=max_len, max_num_seqs=batch, decode_steps=decode_steps,
               mesh=mesh_spec)
     engine = llm.engine

@@ -56,7 +56,7 @@ def main():
     c = preset_config(args.preset)
     # Shapes only: bench_throughput reads the parameters' sizes and dtypes, not their values.
     model = nnx.eval_shape(lambda: Decoder(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    page_bytes = 2 * c.num_layers * args.page_size * c.num_kv_heads * c.head_dim * 2
+    page_bytes = args.page_size * c.kv_bytes_per_token(2)  # bf16
     num_pages = int(args.kv_cache_gb * 2**30) // page_bytes  # as LLM sizes its pool
     max_model_len = min(c.max_position_embeddings, num_pages * args.page_size)
     engine = Engine(InstantRunner(c, num_pages, args.page_size), c.eos_token_ids,

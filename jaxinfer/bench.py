@@ -207,7 +207,7 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
     ttft, itl = run()
     w_bytes = weight_bytes(llm.model, tokens=batch)  # MoE: the experts a step hits
     itemsize = llm.model.embed.embedding.dtype.itemsize
-    kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+    kv_token = c.kv_bytes_per_token(itemsize)
     mid_ctx = input_len + output_len // 2
     step_bytes = w_bytes + batch * mid_ctx * kv_token
     attn_flops = 4 * batch * mid_ctx * c.num_heads * c.head_dim * c.num_layers
@@ -238,7 +238,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     itemsize = llm.model.embed.embedding.dtype.itemsize
-    kv_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+    kv_token = c.kv_bytes_per_token(itemsize)
     w_bytes = weight_bytes(llm.model, tokens=num_requests)  # MoE: ~the experts a step hits
     flops_token = 2 * weight_count(llm.model, active=True)
     head_flops = 2 * c.vocab_size * c.hidden_size  # logits: one row per sequence and step

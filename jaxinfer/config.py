@@ -128,6 +128,10 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """One token's keys and values in every layer's cache, `itemsize` bytes an element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 

@@ -84,7 +84,7 @@ class LLM:
                 self.tokenizer = None  # token-id prompts only
         self.config = c = self.model.config
         itemsize = self.model.embed.embedding.dtype.itemsize
-        page_bytes = 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * itemsize
+        page_bytes = page_size * c.kv_bytes_per_token(itemsize)
         num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)

@@ -387,8 +387,7 @@ def _model_info(llm) -> dict[str, float]:
     return {"weight_bytes": weight_bytes(llm.model), "weight_count": weight_count(llm.model),
             "vocab_size": c.vocab_size,
             "max_len": llm.max_model_len,
-            "kv_bytes_per_token": 2 * c.num_layers * c.num_kv_heads * c.head_dim
-            * kv.dtype.itemsize}
+            "kv_bytes_per_token": c.kv_bytes_per_token(kv.dtype.itemsize)}
 
 
 def create_app(llm, model_name: str, api_key: str | None = None,
