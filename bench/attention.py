@@ -1,6 +1,6 @@
 """Ragged paged attention on the GPU, side by side in one run (issue 3's table).
 
-  python bench/attention.py [--quick] [--tune] [--json FILE]
+  python bench/attention.py [--quick] [--tune] [--decode-sweep] [--json FILE]
 
 Rows: our Mosaic GPU kernel (`attend_pages_mgpu`: the query tiling, the kernel
 and the split combine; the k/v write is left out because outside a benchmark the
@@ -82,7 +82,12 @@ def stock_paged_attention(args):
     q, _, _, kp, vp, md = args
     kp_t, vp_t = kp.transpose(2, 0, 1, 3), vp.transpose(2, 0, 1, 3)
     fn = jax.jit(lambda q, kp, vp, bt, lens: paged_attention(q * D ** -0.5, kp, vp, bt, lens))
-    return fn, (q, kp_t, vp_t, md.page_indices, md.kv_lens)
+    # Its pages per sequence must split into its 16 KV splits, a power of two pages each
+    # (Triton's lowering); padding pages lie past every kv_len.
+    per_split = -(-md.page_indices.shape[1] // 16)
+    width = 16 * (1 << (per_split - 1).bit_length())
+    bt = jnp.pad(md.page_indices, ((0, 0), (0, width - md.page_indices.shape[1])))
+    return fn, (q, kp_t, vp_t, bt, md.kv_lens)
 
 
 def check(fn, ref_fn, args, name):
@@ -97,6 +102,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="also time a few kernel configs")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="only the batch-64 decode shapes of the serving benchmark, over "
+                    "the ring's block size and depth (and jax's stock kernel)")
     ap.add_argument("--json")
     a = ap.parse_args()
     c = measure_ceilings()
@@ -109,6 +117,24 @@ def main():
         rows.append(roofline(name, t, kv_bytes, flops, c))
         print(f"  {name}: {t * 1e6:.1f} us", flush=True)
         return t
+
+    if a.decode_sweep:
+        rng = np.random.default_rng(0)
+        shapes = [("B=64 ctx=896", [(1, 896)] * 64), ("B=64 ctx=1376", [(1, 1376)] * 64),
+                  ("B=64 ctx U[640,1280]", [(1, int(n)) for n in rng.integers(640, 1281, 64)])]
+        # (block_kv, num_stages) with decode's tile_rows 8 and no KV split
+        configs = [(128, 2), (64, 3), (64, 4), (64, 5)]
+        for label, seqs in shapes:
+            args, nbytes, flops = batch(seqs)
+            check(full("mosaic_gpu"), reference(), args, label)
+            add(f"{label} mosaic default", ours(), args, nbytes, flops)
+            for bk, st in configs:
+                add(f"{label} mosaic bk={bk} stages={st}", ours(Config(bk, st, 1, 1, 8)),
+                    args, nbytes, flops)
+            fn, sargs = stock_paged_attention(args)
+            add(f"{label} stock paged_attention", fn, sargs, nbytes, flops)
+        print(format_rows(rows))
+        return
 
     decodes = [("decode B=64 ctx=2048", [(1, 2048)] * 64),
                ("decode B=8 ctx=32768", [(1, 32768)] * 8)]

@@ -14,10 +14,16 @@ Algorithm (flash attention over pages):
   `tokens_per_block` tokens). Queries are gathered into per-entry tiles
   [Hkv, entries, compute_wgs * 64, D]: the G = Hq / Hkv query heads of a KV
   head fill the wgmma M dimension (64 rows = 64 // G tokens x G heads).
-- Grid (Hkv, work entries, KV splits); each CTA
-  runs `compute_wgs` consumer warpgroups (64 query rows each) and one producer
+- Work items are (work entry, KV head, KV split) triples. The grid is
+  persistent: about one CTA per SM, each running a list of items that XLA
+  builds per step (`_schedule`: items sorted by the KV blocks they read and
+  dealt out in snake order, so the lists cost about the same). Each CTA runs
+  `compute_wgs` consumer warpgroups (64 query rows each) and one producer
   warpgroup that streams KV blocks of `block_kv` tokens: one TMA per page
-  (page_size x D, 128-byte swizzled) into a `num_stages`-deep ring.
+  (page_size x D, 128-byte swizzled) into a `num_stages`-deep ring that runs on
+  across the CTA's items, so the next item's first blocks load while the
+  current one finishes (with one CTA per item, each SM's ring drained at every
+  item's end; bench/NOTES.md has what this measured).
 - Consumers: S = Q K^T (wgmma, f32), scale, optional soft cap, causal /
   kv_len / sliding-window mask on the edge blocks only, online softmax in base 2,
   O += P V (wgmma). Masked scores are a large finite negative, not -inf, so a
@@ -67,6 +73,7 @@ class Config:
     # Query rows each warpgroup loads and stores (a multiple of 8, >= G): the wgmma
     # still computes 64 rows, but decode tiles move only the rows they use.
     tile_rows: int = ROWS
+    num_ctas: int = NUM_SMS  # persistent CTAs (fewer when there are fewer work items)
 
 
 def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: int,
@@ -123,199 +130,281 @@ def _work_list(md: AttentionMetadata, num_entries: int, tokens_per_block: int):
     return jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
 
 
-def _attention_kernel(work_ref, page_indices_ref, q_ref, k_pages_ref, v_pages_ref,
-                      sinks_ref, out_ref, lse_ref, scratch, *, cfg: Config, group: int,
-                      head_dim: int, page_size: int, sm_scale: float,
+def _schedule(work, num_kv_heads: int, num_splits: int, num_ctas: int, block_kv: int):
+    """Deals the work items out to the persistent CTAs.
+
+    Item i is (entry i // (Hkv * splits), KV head i // splits % Hkv, split i % splits).
+    Items are sorted by cost (the KV blocks their entry reads; items of entries with no
+    tokens cost 0 and come last) and dealt in snake order (CTA 0..C-1, then C-1..0, ...),
+    which evens out the lists' costs. Returns (items [C, R] int32, -1 = none, and
+    counts [C] int32: each list's live items, which come first).
+    """
+    per_entry = num_kv_heads * num_splits
+    num_items = work.shape[0] * per_entry
+    rounds = -(-num_items // num_ctas)
+    tokens, kv_end = work[:, 2], work[:, 3] + work[:, 2]
+    cost = jnp.where(tokens > 0, (kv_end + block_kv - 1) // block_kv + 1, 0)
+    cost = jnp.repeat(cost, per_entry)
+    if rounds == 1:  # one item per CTA (e.g. small decode batches): nothing to balance
+        live = cost > 0
+        return jnp.where(live, jnp.arange(num_items, dtype=jnp.int32), -1)[:, None], \
+            live.astype(jnp.int32)
+    order = jnp.argsort(-cost, stable=True).astype(jnp.int32)
+    k = jnp.arange(num_items, dtype=jnp.int32)
+    r, lane = k // num_ctas, k % num_ctas
+    cta = jnp.where(r % 2 == 0, lane, num_ctas - 1 - lane)
+    live = cost[order] > 0
+    items = jnp.full((num_ctas, rounds), -1, jnp.int32).at[cta, r].set(
+        jnp.where(live, order, -1))
+    counts = jnp.zeros(num_ctas, jnp.int32).at[cta].add(live.astype(jnp.int32))
+    return items, counts
+
+
+def _attention_kernel(items_ref, counts_ref, work_ref, page_indices_ref, q_ref, k_pages_ref,
+                      v_pages_ref, sinks_ref, out_ref, lse_ref, scratch, *, cfg: Config,
+                      group: int, head_dim: int, page_size: int, sm_scale: float,
                       sliding_window: int | None, soft_cap: float | None, fp8: bool,
                       v_scale: float | None):
     (q_smem, k_smem, v_smem, o_smem, lse_smem, k16_smem, v16_smem, p_smem,
      k_ready, v_ready, q_ready, k_free, v_free) = scratch
-    h, entry, split = lax.axis_index("h"), lax.axis_index("entry"), lax.axis_index("split")
-    wg = lax.axis_index("wg")
-    bk, stages, wgs = cfg.block_kv, cfg.num_stages, cfg.compute_wgs
+    cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+    num_kv_heads = q_ref.shape[0]
+    bk, stages, wgs, splits = cfg.block_kv, cfg.num_stages, cfg.compute_wgs, cfg.num_splits
     pages_per_block = bk // page_size
     tile_rows = cfg.tile_rows
     tokens_per_wg = tile_rows // group
     max_pages = page_indices_ref.shape[1]
+    num_items = counts_ref[cta]
 
-    seq = work_ref[entry, 0]
-    num_tokens, pos0, kv_len = work_ref[entry, 2], work_ref[entry, 3], work_ref[entry, 4]
-    # KV blocks this CTA reads: causal end, sliding-window start, then this split's share.
-    kv_end = pos0 + num_tokens
-    kv_begin = jnp.int32(0)
-    if sliding_window is not None:
-        kv_begin = jnp.maximum(pos0 - sliding_window + 1, 0)
-    blk_begin = kv_begin // bk
-    blk_count = jnp.where(num_tokens > 0, (kv_end + bk - 1) // bk - blk_begin, 0)
-    per_split = (blk_count + cfg.num_splits - 1) // cfg.num_splits
-    lo = blk_begin + jnp.minimum(split * per_split, blk_count)
-    steps = jnp.maximum(jnp.minimum(per_split, blk_begin + blk_count - lo), 0)
+    def item(j):
+        """This CTA's j-th item: (KV head, entry, split, seq, tokens, pos0, kv_len, first
+        KV block, KV blocks)."""
+        i = items_ref[cta, j]
+        split = lax.rem(i, jnp.int32(splits))
+        h = lax.rem(lax.div(i, jnp.int32(splits)), jnp.int32(num_kv_heads))
+        entry = lax.div(i, jnp.int32(splits * num_kv_heads))
+        seq = work_ref[entry, 0]
+        num_tokens, pos0, kv_len = work_ref[entry, 2], work_ref[entry, 3], work_ref[entry, 4]
+        # KV blocks this item reads: causal end, sliding-window start, then this split's share.
+        kv_end = pos0 + num_tokens
+        kv_begin = jnp.int32(0)
+        if sliding_window is not None:
+            kv_begin = jnp.maximum(pos0 - sliding_window + 1, 0)
+        blk_begin = kv_begin // bk
+        blk_count = jnp.where(num_tokens > 0, (kv_end + bk - 1) // bk - blk_begin, 0)
+        per_split = (blk_count + splits - 1) // splits
+        lo = blk_begin + jnp.minimum(split * per_split, blk_count)
+        steps = jnp.maximum(jnp.minimum(per_split, blk_begin + blk_count - lo), 0)
+        return h, entry, split, seq, num_tokens, pos0, kv_len, lo, steps
 
     @pl.when(wg == wgs)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def page_ids(block):
-            # One scalar load per page, all issued before any TMA that uses them (and a
-            # step ahead of use), so their latency overlaps instead of adding up.
-            # Pages past kv_len may be anything (and any id): read the sequence's first
-            # page instead, whose values are finite; those columns are masked.
-            ids = []
-            for p in range(pages_per_block):
-                page_slot = block * pages_per_block + p
-                valid = page_slot * page_size < kv_len
-                ids.append(page_indices_ref[seq, jnp.where(
-                    valid, jnp.minimum(page_slot, max_pages - 1), 0)])
-            return tuple(ids)
+        def run_item(j, t0):
+            """Streams item j's KV blocks; t0 counts the blocks of the CTA's earlier items
+            (the ring's position)."""
+            h, _, _, seq, _, _, kv_len, lo, steps = item(j)
 
-        def load(pages_ref, smem, barrier, ids):
-            for p, page in enumerate(ids):
-                plgpu.copy_gmem_to_smem(pages_ref.at[page, :, h, :],
-                                        smem.at[pl.ds(p * page_size, page_size)], barrier)
+            def page_ids(block):
+                # One scalar load per page, all issued before any TMA that uses them (and a
+                # step ahead of use), so their latency overlaps instead of adding up.
+                # Pages past kv_len may be anything (and any id): read the sequence's first
+                # page instead, whose values are finite; those columns are masked.
+                ids = []
+                for p in range(pages_per_block):
+                    page_slot = block * pages_per_block + p
+                    valid = page_slot * page_size < kv_len
+                    ids.append(page_indices_ref[seq, jnp.where(
+                        valid, jnp.minimum(page_slot, max_pages - 1), 0)])
+                return tuple(ids)
 
-        def produce(step, ids):
-            slot = lax.rem(step, jnp.int32(stages))
-            next_ids = page_ids(lo + step + 1)
+            def load(pages_ref, smem, barrier, ids):
+                for p, page in enumerate(ids):
+                    plgpu.copy_gmem_to_smem(pages_ref.at[page, :, h, :],
+                                            smem.at[pl.ds(p * page_size, page_size)], barrier)
 
-            @pl.when(step >= stages)
+            def produce(step, ids):
+                t = t0 + step
+                slot = lax.rem(t, jnp.int32(stages))
+                next_ids = page_ids(lo + step + 1)
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                load(k_pages_ref, k_smem.at[slot], k_ready.at[slot], ids)
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+                load(v_pages_ref, v_smem.at[slot], v_ready.at[slot], ids)
+                return next_ids
+
+            lax.fori_loop(0, steps, produce, page_ids(lo))
+            return t0 + steps
+
+        total = lax.fori_loop(0, num_items, run_item, jnp.int32(0))
+        # Observe the ring's last releases too (those of blocks total - stages ..
+        # total - 1), so every barrier phase this thread waits on is seen through
+        # (interpret mode checks it; on the GPU the consumer is finishing anyway).
+        def drain(t):
+            @pl.when(t >= stages)
             def _():
+                slot = lax.rem(t, jnp.int32(stages))
                 plgpu.barrier_wait(k_free.at[slot])
-            load(k_pages_ref, k_smem.at[slot], k_ready.at[slot], ids)
-
-            @pl.when(step >= stages)
-            def _():
                 plgpu.barrier_wait(v_free.at[slot])
-            load(v_pages_ref, v_smem.at[slot], v_ready.at[slot], ids)
-            return next_ids
 
-        lax.fori_loop(0, steps, produce, page_ids(lo))
+        for i in range(stages):
+            drain(total + i)
 
     @pl.when(wg < wgs)
     def _consumer():
         plgpu.set_max_registers(232 if wgs > 1 else 240, action="increase")
-        wg_first = jnp.minimum(wg * tokens_per_wg, num_tokens)  # token offset in the block
-        wg_tokens = jnp.clip(num_tokens - wg * tokens_per_wg, 0, tokens_per_wg)
-        # Only tile_rows query rows are loaded; the other rows of the 64-row wgmma tile
-        # hold stale values, and every row's softmax and output are its own.
-        plgpu.copy_gmem_to_smem(q_ref.at[h, entry, pl.ds(wg * tile_rows, tile_rows)],
-                                q_smem.at[wg, pl.ds(0, tile_rows)], q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
-
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        m_i = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), row_layout)
-        l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
-        acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
-                                plgpu.Layout.WGMMA)
         rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=plgpu.Layout.WGMMA)
         cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
-        q_pos = pos0 + wg_first + lax.div(rows, jnp.int32(group))
-        row_live = lax.div(rows, jnp.int32(group)) < wg_tokens
         score_scale = sm_scale * LOG2E
+
+        def load_q(j):
+            # Only tile_rows query rows are loaded; the other rows of the 64-row wgmma tile
+            # hold stale values, and every row's softmax and output are its own.
+            h, entry = item(j)[:2]
+            plgpu.copy_gmem_to_smem(q_ref.at[h, entry, pl.ds(wg * tile_rows, tile_rows)],
+                                    q_smem.at[wg, pl.ds(0, tile_rows)], q_ready.at[wg])
+
+        @pl.when(num_items > 0)
+        def _():
+            load_q(0)
 
         def upcast(src, dst):
             # fp8 pages -> f16 copy in shared memory (exact), for wgmma.
             dst[...] = plgpu.load(src, layout=plgpu.Layout.WGMMA).astype(dst.dtype)
             plgpu.commit_smem()
 
-        def step(i, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(i, jnp.int32(stages))
-            block = lo + i
-            plgpu.barrier_wait(k_ready.at[slot])
-            k_tile = k_smem.at[slot]
-            if fp8:
-                upcast(k_tile, k16_smem.at[wg])
-                k_tile = k16_smem.at[wg]
+        def run_item(j, t0):
+            h, entry, split, _, num_tokens, pos0, kv_len, lo, steps = item(j)
+            wg_first = jnp.minimum(wg * tokens_per_wg, num_tokens)  # token offset in the block
+            wg_tokens = jnp.clip(num_tokens - wg * tokens_per_wg, 0, tokens_per_wg)
+            plgpu.barrier_wait(q_ready.at[wg])
+            m_i = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), row_layout)
+            l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+            q_pos = pos0 + wg_first + lax.div(rows, jnp.int32(group))
+            row_live = lax.div(rows, jnp.int32(group)) < wg_tokens
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[wg], k_tile.transpose((1, 0)))
-                return acc_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            if soft_cap is not None:
-                s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
-            else:
-                s = s * score_scale
-            if masked:
-                kv_pos = block * bk + cols
-                keep = (kv_pos <= q_pos) & (kv_pos < kv_len) & row_live
-                if sliding_window is not None:
-                    keep = keep & (q_pos - kv_pos < sliding_window)
-                s = jnp.where(keep, s, MASKED)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_ready.at[slot])
-            v_tile = v_smem.at[slot]
-            if fp8:
-                upcast(v_tile, v16_smem.at[wg])
-                v_tile = v16_smem.at[wg]
+            def step(i, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(t0 + i, jnp.int32(stages))
+                block = lo + i
+                plgpu.barrier_wait(k_ready.at[slot])
+                k_tile = k_smem.at[slot]
+                if fp8:
+                    upcast(k_tile, k16_smem.at[wg])
+                    k_tile = k16_smem.at[wg]
 
-            p16 = p.astype(q_smem.dtype)
-            if p_smem is not None:  # interpret mode: wgmma's A operand must be in SMEM
-                p_smem.at[wg][...] = p16
-                plgpu.commit_smem()
-                p16 = p_smem.at[wg]
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_tile)
-                return acc_ref[...]
-            # A fresh accumulator plus an add (rather than accumulating into acc in
-            # place): same cost, and it also runs in interpret mode.
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l_i
-
-        # Blocks that need no mask: inside every token's window (the last token's starts
-        # latest) and at or before the first token causally (so kv_len cannot bite).
-        full_lo = jnp.int32(0)
-        if sliding_window is not None:
-            last_pos = pos0 + num_tokens - 1
-            full_lo = (jnp.maximum(last_pos - sliding_window + 1, 0) + bk - 1) // bk - lo
-        full_hi = (pos0 + 1) // bk - lo
-        a = jnp.clip(full_lo, 0, steps)
-        b = jnp.clip(full_hi, a, steps)
-        carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(b, steps, functools.partial(step, masked=True), carry)
-
-        if cfg.num_splits == 1:
-            if sinks_ref is not None:
-                sink = plgpu.load(sinks_ref.at[h], layout=row_layout, optimized=False) * LOG2E
-                m_new = jnp.maximum(m_i, sink)
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_tile.transpose((1, 0)))
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if soft_cap is not None:
+                    s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+                else:
+                    s = s * score_scale
+                if masked:
+                    kv_pos = block * bk + cols
+                    keep = (kv_pos <= q_pos) & (kv_pos < kv_len) & row_live
+                    if sliding_window is not None:
+                        keep = keep & (q_pos - kv_pos < sliding_window)
+                    s = jnp.where(keep, s, MASKED)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
-                l_i = l_i * alpha + jnp.exp2(sink - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            out = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-            if v_scale is not None:
-                out = out * v_scale
-            o_smem.at[wg][...] = out.astype(o_smem.dtype)
-            plgpu.commit_smem()
+                plgpu.barrier_wait(v_ready.at[slot])
+                v_tile = v_smem.at[slot]
+                if fp8:
+                    upcast(v_tile, v16_smem.at[wg])
+                    v_tile = v16_smem.at[wg]
 
-            @pl.when(wg_tokens > 0)
-            def _():
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[
-                    0, h, entry, pl.ds(wg * tile_rows, tile_rows)])
-        else:
-            out = acc / lax.broadcast_in_dim(jnp.where(l_i == 0, 1.0, l_i), acc.shape, [0])
-            if v_scale is not None:
-                out = out * v_scale
-            # Natural-log LSE; an empty split has l = 0 -> -inf (weight 0 in the combine).
-            lse = jnp.where(l_i == 0, -jnp.inf, (m_i + jnp.log2(jnp.where(l_i == 0, 1.0, l_i)))
-                            / LOG2E)
-            o_smem.at[wg][...] = out.astype(o_smem.dtype)
-            lse_smem.at[wg][...] = lse
-            plgpu.commit_smem()
+                p16 = p.astype(q_smem.dtype)
+                if p_smem is not None:  # interpret mode: wgmma's A operand must be in SMEM
+                    p_smem.at[wg][...] = p16
+                    plgpu.commit_smem()
+                    p16 = p_smem.at[wg]
 
-            @pl.when(wg_tokens > 0)
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_tile)
+                    return acc_ref[...]
+                # A fresh accumulator plus an add (rather than accumulating into acc in
+                # place): same cost, and it also runs in interpret mode.
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            # Blocks that need no mask: inside every token's window (the last token's starts
+            # latest) and at or before the first token causally (so kv_len cannot bite).
+            full_lo = jnp.int32(0)
+            if sliding_window is not None:
+                last_pos = pos0 + num_tokens - 1
+                full_lo = (jnp.maximum(last_pos - sliding_window + 1, 0) + bk - 1) // bk - lo
+            full_hi = (pos0 + 1) // bk - lo
+            a = jnp.clip(full_lo, 0, steps)
+            b = jnp.clip(full_hi, a, steps)
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+            acc, m_i, l_i = lax.fori_loop(b, steps, functools.partial(step, masked=True),
+                                          carry)
+
+            # Every wgmma that read q_smem has finished (its scores were read): the next
+            # item's queries load while this one's output is written.
+            @pl.when(j + 1 < num_items)
             def _():
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[
-                    split, h, entry, pl.ds(wg * tile_rows, tile_rows)])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, tile_rows)], lse_ref.at[
-                    split, h, entry, pl.ds(wg * tile_rows, tile_rows)])
+                load_q(j + 1)
+
+            # The previous item's output stores must have read o_smem / lse_smem.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if splits == 1:
+                if sinks_ref is not None:
+                    sink = plgpu.load(sinks_ref.at[h], layout=row_layout,
+                                      optimized=False) * LOG2E
+                    m_new = jnp.maximum(m_i, sink)
+                    alpha = jnp.exp2(m_i - m_new)
+                    l_i = l_i * alpha + jnp.exp2(sink - m_new)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                out = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+                if v_scale is not None:
+                    out = out * v_scale
+                o_smem.at[wg][...] = out.astype(o_smem.dtype)
+                plgpu.commit_smem()
+
+                @pl.when(wg_tokens > 0)
+                def _():
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[
+                        0, h, entry, pl.ds(wg * tile_rows, tile_rows)])
+            else:
+                out = acc / lax.broadcast_in_dim(jnp.where(l_i == 0, 1.0, l_i), acc.shape, [0])
+                if v_scale is not None:
+                    out = out * v_scale
+                # Natural-log LSE; an empty split has l = 0 -> -inf (weight 0 in the combine).
+                lse = jnp.where(l_i == 0, -jnp.inf,
+                                (m_i + jnp.log2(jnp.where(l_i == 0, 1.0, l_i))) / LOG2E)
+                o_smem.at[wg][...] = out.astype(o_smem.dtype)
+                lse_smem.at[wg][...] = lse
+                plgpu.commit_smem()
+
+                @pl.when(wg_tokens > 0)
+                def _():
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[
+                        split, h, entry, pl.ds(wg * tile_rows, tile_rows)])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, tile_rows)], lse_ref.at[
+                        split, h, entry, pl.ds(wg * tile_rows, tile_rows)])
+            return t0 + steps
+
+        lax.fori_loop(0, num_items, run_item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -486,23 +575,26 @@ def attend_pages_mgpu(
         sliding_window=sliding_window, soft_cap=soft_cap, fp8=fp8,
         v_scale=v_scale if fp8 else None)
 
-    def entry(work_ref, pages_ref, q_ref, kp_ref, vp_ref, *rest):
+    def entry(items_ref, counts_ref, work_ref, pages_ref, q_ref, kp_ref, vp_ref, *rest):
         if sinks_rows is not None:
             sinks_ref, *rest = rest
         else:
             sinks_ref = None
         out_ref, lse_ref = (rest[0], rest[1]) if split else (rest[0], None)
         pl.run_scoped(
-            lambda *s: kernel_fn(work_ref, pages_ref, q_ref, kp_ref, vp_ref, sinks_ref,
-                                 out_ref, lse_ref, (*s[0], *s[1:])),
+            lambda *s: kernel_fn(items_ref, counts_ref, work_ref, pages_ref, q_ref, kp_ref,
+                                 vp_ref, sinks_ref, out_ref, lse_ref, (*s[0], *s[1:])),
             scratch, *barriers, collective_axes="wg")
 
-    args = [work, page_indices, q_tiles, k_pages, v_pages]
+    num_items = num_entries * Hkv * cfg.num_splits
+    num_ctas = max(1, min(cfg.num_ctas, num_items))
+    items, counts = _schedule(work, Hkv, cfg.num_splits, num_ctas, bk)
+    args = [items, counts, work, page_indices, q_tiles, k_pages, v_pages]
     if sinks_rows is not None:
         args.append(sinks_rows)
     results = plgpu.kernel(
-        entry, out_type=out_type, grid=(Hkv, num_entries, cfg.num_splits),
-        grid_names=("h", "entry", "split"), num_threads=wgs + 1, thread_name="wg",
+        entry, out_type=out_type, grid=(num_ctas,), grid_names=("cta",),
+        num_threads=wgs + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(*args)

@@ -135,11 +135,15 @@ def test_num_seqs_is_dynamic():
         np.testing.assert_array_equal(kp_all[page, slot], b["k"][n_tok + i])
 
 
-MOSAIC_CONFIGS = {  # (block_kv, num_stages, compute_wgs, num_splits, tile_rows)
+MOSAIC_CONFIGS = {  # (block_kv, num_stages, compute_wgs, num_splits, tile_rows, num_ctas)
     "decode_split3": (64, 2, 1, 3),
     "tile8_split2": (64, 3, 1, 2, 8),
     "one_wg_deep": (64, 4, 1, 1),
     "two_wg_split2": (64, 2, 2, 2),
+    # Few persistent CTAs: each runs several items, its KV ring running on across them.
+    "two_ctas": (64, 3, 1, 1, 64, 2),
+    "three_ctas_tile8_split2": (64, 2, 1, 2, 8, 3),
+    "one_cta_two_wg": (64, 2, 2, 1, 64, 1),
 }
 
 
@@ -159,6 +163,33 @@ def test_mosaic_configs(name, config, platform):
         check_against_oracle(CASES[name], "mosaic_gpu", platform)
     finally:
         mosaic.choose_config = orig
+
+
+@pytest.mark.parametrize("num_ctas", [1, 3, 7, 200])
+def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
+    """The persistent kernel's item lists: every item of an entry with tokens exactly once,
+    live items first in each list, no item of an empty entry, and list costs within one
+    item's cost of each other (snake order over items sorted by cost)."""
+    from jaxinfer.mosaic.ragged_paged_attention import _schedule
+
+    rng = np.random.default_rng()
+    entries, hkv, splits, bk = 23, 3, 2, 64
+    tokens = rng.integers(0, 3, entries) * rng.integers(1, 40, entries)
+    pos0 = rng.integers(0, 3000, entries)
+    work = np.zeros((entries, 8), np.int32)
+    work[:, 2], work[:, 3] = tokens, pos0
+    num_ctas = min(num_ctas, entries * hkv * splits)
+    items, counts = (np.asarray(x) for x in _schedule(jnp.asarray(work), hkv, splits,
+                                                      num_ctas, bk))
+    live = [i for i in range(entries * hkv * splits) if tokens[i // (hkv * splits)] > 0]
+    dealt = items[items >= 0]
+    assert sorted(dealt.tolist()) == live
+    for c in range(num_ctas):
+        assert (items[c, :counts[c]] >= 0).all() and (items[c, counts[c]:] == -1).all()
+    cost = np.where(tokens > 0, (pos0 + tokens + bk - 1) // bk + 1, 0)
+    per_cta = [sum(cost[i // (hkv * splits)] for i in items[c, :counts[c]])
+               for c in range(num_ctas)]
+    assert max(per_cta) - min(per_cta) <= cost.max()
 
 
 def test_backend_choice_and_kernel_limits():
