@@ -9,7 +9,20 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
+import gc  # noqa: E402
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops every compiled program (and what its closures hold) after each test module: the
+    suite compiles thousands of programs, interpret-mode kernels among them, and kept them
+    all in one process (a CI run on the 24 GiB machine was killed for memory)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 TEXT = (Path(__file__).parent / "data" / "reference_text.txt").read_text()
 
