@@ -61,7 +61,7 @@ from jaxinfer.backend import mosaic_interpret_params
 ROWS = 64  # query rows per consumer warpgroup (the wgmma M tile)
 MASKED = -1e30  # masked score (base-2 units): exp2(MASKED - m) == 0 for any real m
 LOG2E = math.log2(math.e)
-NUM_SMS = 132  # H100 SXM; only used to pick the number of KV splits
+NUM_SMS = 132  # H100 / H200 SXM: the persistent grid's CTAs and the number of KV splits
 
 
 @dataclasses.dataclass(frozen=True)
