@@ -1,6 +1,6 @@
 """Ragged paged attention on the GPU, side by side in one run (issue 3's table).
 
-  python bench/attention.py [--quick] [--tune] [--decode-sweep] [--json FILE]
+  python bench/attention.py [--quick] [--tune] [--decode-sweep] [--batch1-sweep] [--json FILE]
 
 Rows: our Mosaic GPU kernel (`attend_pages_mgpu`: the query tiling, the kernel
 and the split combine; the k/v write is left out because outside a benchmark the
@@ -105,6 +105,9 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true",
                     help="only the batch-64 decode shapes of the serving benchmark, over "
                     "the ring's block size and depth (and jax's stock kernel)")
+    ap.add_argument("--batch1-sweep", action="store_true",
+                    help="only batch-1 decode (the latency benchmark's shape) over KV splits "
+                    "and block sizes")
     ap.add_argument("--json")
     a = ap.parse_args()
     c = measure_ceilings()
@@ -133,6 +136,21 @@ def main():
                     args, nbytes, flops)
             fn, sargs = stock_paged_attention(args)
             add(f"{label} stock paged_attention", fn, sargs, nbytes, flops)
+        print(format_rows(rows))
+        return
+
+    if a.batch1_sweep:
+        for ctx in (512, 1024, 1600):
+            args, nbytes, flops = batch([(1, ctx)])
+            label = f"B=1 ctx={ctx}"
+            check(full("mosaic_gpu"), reference(), args, label)
+            add(f"{label} mosaic default", ours(), args, nbytes, flops)
+            for bk, st, splits in [(128, 3, 1), (128, 3, 2), (128, 3, 4), (128, 2, 8),
+                                   (64, 3, 2), (64, 3, 4), (64, 3, 8), (64, 2, 16),
+                                   (64, 2, 25)]:
+                if splits * bk <= ctx:
+                    add(f"{label} mosaic bk={bk} stages={st} splits={splits}",
+                        ours(Config(bk, st, 1, splits, 8)), args, nbytes, flops)
         print(format_rows(rows))
         return
 

@@ -20,7 +20,7 @@ for part in $parts; do
     done ;;
   overhead64)
     python3 $REPO/bench/host_overhead.py --preset llama3-8b --batch 64 --ctx 1152 \
-      --decode-steps $N --top 15 --json $OUT/overhead_b64.json 2>&1 | grep -v "^WARNING" | tail -20 ;;
+      --decode-steps $N --steps 4 --top 15 --json $OUT/overhead_b64.json 2>&1 | grep -v "^WARNING" | tail -20 ;;
   timeline)  # where the GPU idles during decode (jax.profiler trace): batch 1 and 64, then
     # batch 1 with the decode loop in CUDA graphs
     graphs="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"

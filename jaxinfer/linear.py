@@ -15,20 +15,27 @@ from jaxinfer.quantized_matmul import quantized_matmul
 
 
 def linear(x: jax.Array, weight: jax.Array | QuantizedWeight,
-           bias: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x.dtype (f32 accumulation).
+           bias: jax.Array | None = None, row_scale: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ weight [N, K]^T (* row_scale) (+ bias [N]) -> [..., N] in x.dtype
+    (f32 accumulation).
 
     `weight` is a float array or a `QuantizedWeight`; the bias is always float.
+    `row_scale` [..., 1] float32 scales each row of the product before the bias: an
+    RMSNorm folded into the weight leaves its 1 / rms(x) to be applied here
+    (`RMSNorm.fold_into`).
     """
     if isinstance(weight, QuantizedWeight):
         y = quantized_matmul(x, weight)
-        if bias is None:
+        if bias is None and row_scale is None:
             return y
-        return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-    y = jax.lax.dot_general(
-        x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-        preferred_element_type=jnp.float32,
-    )
+        y = y.astype(jnp.float32)
+    else:
+        y = jax.lax.dot_general(
+            x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+    if row_scale is not None:
+        y = y * row_scale
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)

@@ -30,14 +30,24 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(config, dtype=dtype, rngs=rngs) if config.is_moe_layer(layer)
                     else MLP(config, dtype=dtype, rngs=rngs))
 
+    def fold_norms(self):
+        """Folds the norms into the float projections they feed (`RMSNorm.fold_into`): the
+        input norm into q/k/v, the post-attention norm into a dense MLP's gate/up (an MoE
+        block's router and experts keep theirs)."""
+        self.input_norm.fold_into(self.attn.projections())
+        if isinstance(self.mlp, MLP):
+            self.post_attn_norm.fold_into(self.mlp.projections())
+
     def __call__(self, x, positions, kv_pages, md):
-        h, kv_pages = self.attn(self.input_norm(x), positions, kv_pages, md)
+        x_in, row_scale = self.input_norm.prepare(x)
+        h, kv_pages = self.attn(x_in, positions, kv_pages, md, row_scale)
         x = x + h
         if isinstance(self.mlp, MoE):  # padding tokens must not route to experts
             live = jnp.arange(x.shape[0]) < md.cu_q_lens[md.num_seqs[0]]
             x = x + self.mlp(self.post_attn_norm(x), live)
         else:
-            x = x + self.mlp(self.post_attn_norm(x))
+            x_in, row_scale = self.post_attn_norm.prepare(x)
+            x = x + self.mlp(x_in, row_scale)
         return x, kv_pages
 
 
@@ -85,8 +95,9 @@ class Decoder(nnx.Module):
 
     def fuse_projections(self):
         """Joins each layer's q/k/v and gate/up weights into one projection each, in place
-        (fewer, larger GEMMs per decode step). The runner calls it on the model it runs, once
-        the parameters are placed; checkpoints and `shard_model` take unfused models."""
+        (fewer, larger GEMMs per decode step), and folds each layer's norms into them
+        (`DecoderLayer.fold_norms`). The runner calls it on the model it runs, once the
+        parameters are placed; checkpoints and `shard_model` take unfused models."""
         self.projections_fused = True
         for layer in self.layers:
             layer.attn.fuse_projections()
@@ -95,6 +106,7 @@ class Decoder(nnx.Module):
                 mlp = mlp.shared_expert
             if mlp is not None:
                 mlp.fuse_projections()
+            layer.fold_norms()
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: list,
                  md: AttentionMetadata):

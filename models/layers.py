@@ -105,11 +105,12 @@ class Linear(nnx.Module):
         return w, QuantizedWeight(self.axes, parts, None if w.offsets is None else parts,
                                   w.activations)
 
-    def __call__(self, x):
+    def __call__(self, x, row_scale=None):
+        """x [..., in] -> [..., out]; `row_scale` [..., 1] f32: see `linear`."""
         bias = None if self.bias is None else self.bias[...]
         w, w_axes = self.weight_and_axes()
         if current_mesh() is None:
-            return linear(x, w, bias)
+            return linear(x, w, bias, row_scale)
         # On a mesh each device multiplies by its shard (the same dot, or kernel, as on one
         # device); a split `in` axis leaves partial sums, which one psum joins: the one
         # all-reduce of a column-split -> row-split block.
@@ -117,19 +118,25 @@ class Linear(nnx.Module):
         lead = (None,) * (x.ndim - 1)
         in_features = x.shape[-1]
 
-        def local(x, w, *bias):
-            bias = bias[0] if bias else None
-            if x.shape[-1] == in_features:
-                return linear(x, w, bias)
-            y = reduce_over((in_axis,), linear(x, w))
-            if bias is None:
-                return y
-            return (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+        args, axes = [x, w], [P(*lead, in_axis), w_axes]
+        for extra, extra_axes in ((bias, P(out_axis)), (row_scale, P(*lead, None))):
+            if extra is not None:
+                args.append(extra)
+                axes.append(extra_axes)
 
-        args, axes = (x, w), (P(*lead, in_axis), w_axes)
-        if bias is not None:
-            args, axes = (*args, bias), (*axes, P(out_axis))
-        return shard_map_logical(local, axes, P(*lead, out_axis), *args)
+        def local(x, w, *extras):
+            extras = iter(extras)
+            b = None if bias is None else next(extras)
+            scale = None if row_scale is None else next(extras)
+            if x.shape[-1] == in_features:
+                return linear(x, w, b, scale)
+            y = reduce_over((in_axis,), linear(x, w))
+            if b is None and scale is None:
+                return y
+            y = y.astype(jnp.float32) * (1.0 if scale is None else scale)
+            return (y if b is None else y + b.astype(jnp.float32)).astype(x.dtype)
+
+        return shard_map_logical(local, tuple(axes), P(*lead, out_axis), *args)
 
 
 def fuse_linears(parts: list[Linear]) -> tuple[Linear, tuple[int, ...]] | None:
@@ -200,16 +207,55 @@ def split_columns(y, sizes: tuple[int, ...], axis: str):
 
 
 class RMSNorm(nnx.Module):
-    """HF's order of operations: normalise in f32, cast back, then scale."""
+    """HF's order of operations: normalise in f32, cast back, then scale.
+
+    The runner folds a decoder layer's norms into the float projections they feed
+    (`fold_into`); the layer then asks `prepare` for the projections' input.
+    """
 
     def __init__(self, dim, *, eps, dtype, axes: P | None = None):
         self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=axes or P("embed"))
         self.eps = eps
+        self.folded = False  # static: the scale lives in the next projections' weights
+
+    def inv_rms(self, x):
+        """x [..., dim] -> 1 / rms(x) [..., 1] float32."""
+        x32 = x.astype(jnp.float32)
+        return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...] * x32.astype(x.dtype)
+        if self.folded:
+            raise ValueError("RMSNorm: its scale was folded into a projection; use prepare")
+        return self.scale[...] * (x.astype(jnp.float32) * self.inv_rms(x)).astype(x.dtype)
+
+    def prepare(self, x):
+        """(the input of the projections this norm feeds, their row_scale): (self(x), None),
+        or (x, 1 / rms(x)) once the scale is folded into their weights."""
+        return (x, self.inv_rms(x)) if self.folded else (self(x), None)
+
+    def fold_into(self, layers: list[Linear]):
+        """Multiplies the scale into the input columns of every layer's weight, in place, so
+        that linear(x, W * scale, row_scale=1 / rms(x)) = linear(norm(x), W). Only when all
+        are float (a quantized weight keeps its values); the runner calls it once.
+
+        Why: at batch 1 the normalised activations cost a kernel of their own before each
+        projection (a reduce, then a multiply); with the scale in the weight the multiply by
+        1 / rms rides in the projection's epilogue (bench/NOTES.md, serving engine v4).
+        """
+        if self.folded or any(lay.quantized or lay.weight[...].ndim != 2 for lay in layers):
+            return
+        scale = self.scale[...]
+        for lay in layers:
+            w = lay.weight[...]
+            lay.weight = nnx.Param(_scale_columns(w, scale, w.sharding), axes=lay.axes)
+        self.folded = True
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _scale_columns(w, scale, sharding):
+    """w [N, K] * scale [K] in float32, back in w's dtype, placed like w (`sharding`)."""
+    out = (w.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(w.dtype)
+    return jax.lax.with_sharding_constraint(out, sharding)
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[jax.Array, float]:
@@ -258,8 +304,12 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos = (jnp.cos(emb) * attention_factor).astype(x.dtype)[:, None, :]
     sin = (jnp.sin(emb) * attention_factor).astype(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    # rotate_half(x) = [-x2, x1], as a reverse of the two halves rather than a concatenate:
+    # XLA fuses the reverse into its consumers, where the concatenate ran as a kernel of its
+    # own per layer at batch 1 (bench/NOTES.md, serving engine v4).
+    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    sign = jnp.array([-1, 1], x.dtype)[:, None]
+    rotated = (halves[..., ::-1, :] * sign).reshape(x.shape)
     return x * cos + rotated * sin
 
 
@@ -297,12 +347,20 @@ class Attention(nnx.Module):
             self.qkv_proj, self.qkv_sizes = fused
             self.q_proj = self.k_proj = self.v_proj = None
 
-    def __call__(self, x, positions, kv_pages, md: AttentionMetadata):
+    def projections(self) -> list[Linear]:
+        """The layers that read the attention block's input: qkv, or q, k and v."""
+        if self.qkv_proj is not None:
+            return [self.qkv_proj]
+        return [self.q_proj, self.k_proj, self.v_proj]
+
+    def __call__(self, x, positions, kv_pages, md: AttentionMetadata, row_scale=None):
+        """x [T, hidden] (and its `row_scale`, see RMSNorm.prepare) -> (out, kv_pages)."""
         T = x.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = split_columns(self.qkv_proj(x), self.qkv_sizes, "heads")
+            q, k, v = split_columns(self.qkv_proj(x, row_scale), self.qkv_sizes, "heads")
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (self.q_proj(x, row_scale), self.k_proj(x, row_scale),
+                       self.v_proj(x, row_scale))
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
@@ -347,9 +405,17 @@ class MLP(nnx.Module):
             self.gate_up_proj, self.gate_up_sizes = fused
             self.gate_proj = self.up_proj = None
 
-    def __call__(self, x):
+    def projections(self) -> list[Linear]:
+        """The layers that read the MLP's input: gate_up, or gate and up."""
         if self.gate_up_proj is not None:
-            gate, up = split_columns(self.gate_up_proj(x), self.gate_up_sizes, "mlp")
+            return [self.gate_up_proj]
+        return [self.gate_proj, self.up_proj]
+
+    def __call__(self, x, row_scale=None):
+        """x [T, hidden] (and its `row_scale`, see RMSNorm.prepare) -> [T, hidden]."""
+        if self.gate_up_proj is not None:
+            gate, up = split_columns(self.gate_up_proj(x, row_scale), self.gate_up_sizes,
+                                     "mlp")
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = self.gate_proj(x, row_scale), self.up_proj(x, row_scale)
         return self.down_proj(jax.nn.silu(gate) * up)

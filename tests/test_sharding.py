@@ -276,9 +276,11 @@ def test_two_processes_cli_generate(hf_models):
 @pytest.mark.parametrize("preset, mesh", [("tiny", "tp=1"), ("tiny", "tp=2"),
                                           ("tiny", "tp=4"), ("tiny-moe", "tp=2,ep=2")])
 def test_fused_projections_compute_the_separate_ones(preset, mesh):
-    """`Decoder.fuse_projections` (q/k/v and gate/up as one GEMM each, joined per shard; the
-    runner's model): the same hidden states as the separate projections, on every mesh
-    (tp=4 > 2 KV heads: the repeated k/v rows join too)."""
+    """`Decoder.fuse_projections` (q/k/v and gate/up as one GEMM each, joined per shard, and
+    the norms folded into them; the runner's model): the same hidden states as the separate
+    projections behind their norms, on every mesh (tp=4 > 2 KV heads: the repeated k/v
+    rows join too). The norm scales are drawn at random (a model's start as ones), so a
+    scale folded into the wrong axis, or not applied, fails."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -299,12 +301,23 @@ def test_fused_projections_compute_the_separate_ones(preset, mesh):
             return np.asarray(jax.jit(lambda s: nnx.merge(graphdef, s)(
                 tokens, jnp.arange(21), kv, md)[0])(state))
 
+    rng = np.random.default_rng(7)
+    for layer in model.layers:
+        for norm in (layer.input_norm, layer.post_attn_norm):
+            scale = norm.scale[...]
+            norm.scale = nnx.Param(jax.device_put(
+                rng.uniform(0.5, 2.0, scale.shape).astype(np.float32), scale.sharding),
+                axes=norm.scale.get_metadata()["axes"])
     separate = hidden(model)
     model.fuse_projections()
     layer = model.layers[0]
     assert layer.attn.q_proj is None and layer.attn.qkv_proj is not None
+    assert layer.input_norm.folded
     if preset == "tiny":  # (the MoE's experts hold gate_up joined already)
         assert layer.mlp.gate_proj is None and layer.mlp.gate_up_proj is not None
+        assert layer.post_attn_norm.folded
+    else:  # the router and the experts read the normalised input themselves
+        assert not layer.post_attn_norm.folded
     fused = hidden(model)
     assert np.isfinite(separate).all()
     np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5)
