@@ -4,7 +4,8 @@ Parameter names match the checkpoint keys written by `jaxinfer convert`
 (e.g. `layers.3.attn.q_proj.weight`); linear weights are (out, in). The q/k/v/o
 and gate/up/down projections may be quantized (`Linear.set_quantized`), adding
 `...weight_scale` and `...weight_offset` keys. The model runner joins q/k/v and
-gate/up into one projection each (`fuse_linears`) once the weights are placed.
+gate/up into one projection each (`fuse_linears`) once the weights are placed, and
+folds the RMSNorm scales in front of them into their float weights (`RMSNorm.fold_into`).
 """
 
 from __future__ import annotations
@@ -239,8 +240,10 @@ class RMSNorm(nnx.Module):
         are float (a quantized weight keeps its values); the runner calls it once.
 
         Why: at batch 1 the normalised activations cost a kernel of their own before each
-        projection (a reduce, then a multiply); with the scale in the weight the multiply by
-        1 / rms rides in the projection's epilogue (bench/NOTES.md, serving engine v4).
+        projection (a reduce, then a multiply); with the scale in the weight, XLA fuses the
+        multiply by 1 / rms into the kernels that already read the projection's output
+        (split-K sums, RoPE, SiLU) (bench/NOTES.md, serving engine v4). In bf16 this rounds
+        W * scale where HF rounds scale * normalised x: as accurate, not bit-identical.
         """
         if self.folded or any(lay.quantized or lay.weight[...].ndim != 2 for lay in layers):
             return
