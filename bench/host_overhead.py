@@ -19,9 +19,10 @@ import jax.numpy as jnp
 
 
 def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: int,
-                 mesh_spec: str | None):
+                 mesh_spec: str | None, min_kv_bytes: int = 8 << 30):
     """(LLM, mesh) with `batch` requests of `ctx` prompt tokens prefilled and decoding (decode
-    shapes compiled), with room for 8 measurements of `steps` engine steps."""
+    shapes compiled), with room for 8 measurements of `steps` engine steps. The KV pool holds
+    every sequence's whole length, and at least `min_kv_bytes`."""
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.presets import preset_config, random_model
     from jaxinfer.sharding import MeshSpec
@@ -32,13 +33,14 @@ def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: in
     # Pages for every sequence's whole length: a smaller pool would preempt and recompute.
     kv_bytes = batch * max_len * config.kv_bytes_per_token(2)  # bf16
     llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh),
-              kv_cache_bytes=max(8 << 30, int(1.1 * kv_bytes)),
+              kv_cache_bytes=max(min_kv_bytes, int(1.1 * kv_bytes)),
               max_model_len=max_len, max_num_seqs=batch, decode_steps=decode_steps,
               mesh=mesh_spec)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_len - ctx - 1, ignore_eos=True)
     for i in range(batch):
-        engine.add_request([2 + (i + j) % 1000 for j in range(ctx)], params)
+        engine.add_request([2 + (i + j) % min(1000, config.vocab_size - 2)
+                            for j in range(ctx)], params)
     while any(r.num_output == 0 for r in engine.running + list(engine.waiting)):
         engine.step()  # prefill
     for _ in range(3):
