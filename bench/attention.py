@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 
 import jax
@@ -29,25 +30,26 @@ from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
-def batch(seqs, kv_dtype=jnp.bfloat16, seed=0):
-    """Inputs for one step: seqs = [(q_len, kv_len)], pages shuffled over the pool."""
+def batch(seqs, kv_dtype=jnp.bfloat16, seed=0, page=PAGE):
+    """Inputs for one step: seqs = [(q_len, kv_len)], pages of `page` tokens shuffled over
+    the pool."""
     rng = np.random.default_rng(seed)
     T = sum(q for q, _ in seqs)
-    P = max(-(-kv // PAGE) for _, kv in seqs)
-    num_pages = sum(-(-kv // PAGE) for _, kv in seqs)
+    P = max(-(-kv // page) for _, kv in seqs)
+    num_pages = sum(-(-kv // page) for _, kv in seqs)
     perm = rng.permutation(num_pages).astype(np.int32)
     page_indices = np.zeros((len(seqs), P), np.int32)
     start = 0
     for s, (_, kv) in enumerate(seqs):
-        n = -(-kv // PAGE)
+        n = -(-kv // page)
         page_indices[s, :n] = perm[start:start + n]
         start += n
     ks = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(ks[0], (T, HQ, D), jnp.bfloat16)
     k = jax.random.normal(ks[1], (T, HKV, D), jnp.bfloat16)
     v = jax.random.normal(ks[2], (T, HKV, D), jnp.bfloat16)
-    kp = jax.random.normal(ks[3], (num_pages, PAGE, HKV, D), jnp.bfloat16).astype(kv_dtype)
-    vp = jax.random.normal(ks[4], (num_pages, PAGE, HKV, D), jnp.bfloat16).astype(kv_dtype)
+    kp = jax.random.normal(ks[3], (num_pages, page, HKV, D), jnp.bfloat16).astype(kv_dtype)
+    vp = jax.random.normal(ks[4], (num_pages, page, HKV, D), jnp.bfloat16).astype(kv_dtype)
     md = AttentionMetadata(
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum([q for q, _ in seqs])]), jnp.int32),
         kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
@@ -105,6 +107,8 @@ def main():
     ap.add_argument("--decode-sweep", action="store_true",
                     help="only the batch-64 decode shapes of the serving benchmark, over "
                     "the ring's block size and depth (and jax's stock kernel)")
+    ap.add_argument("--page-sizes", default=str(PAGE),
+                    help="--decode-sweep: tokens per KV page, a comma-separated list")
     ap.add_argument("--batch1-sweep", action="store_true",
                     help="only batch-1 decode (the latency benchmark's shape) over KV splits "
                     "and block sizes")
@@ -127,15 +131,18 @@ def main():
                   ("B=64 ctx U[640,1280]", [(1, int(n)) for n in rng.integers(640, 1281, 64)])]
         # (block_kv, num_stages) with decode's tile_rows 8 and no KV split
         configs = [(128, 2), (64, 3), (64, 4), (64, 5)]
-        for label, seqs in shapes:
-            args, nbytes, flops = batch(seqs)
+        for (label, seqs), page in itertools.product(shapes, map(int, a.page_sizes.split(","))):
+            args, nbytes, flops = batch(seqs, page=page)
+            label = f"{label} page={page}"
             check(full("mosaic_gpu"), reference(), args, label)
             add(f"{label} mosaic default", ours(), args, nbytes, flops)
             for bk, st in configs:
-                add(f"{label} mosaic bk={bk} stages={st}", ours(Config(bk, st, 1, 1, 8)),
-                    args, nbytes, flops)
-            fn, sargs = stock_paged_attention(args)
-            add(f"{label} stock paged_attention", fn, sargs, nbytes, flops)
+                if bk % page == 0:
+                    add(f"{label} mosaic bk={bk} stages={st}", ours(Config(bk, st, 1, 1, 8)),
+                        args, nbytes, flops)
+            if page == PAGE:
+                fn, sargs = stock_paged_attention(args)
+                add(f"{label} stock paged_attention", fn, sargs, nbytes, flops)
         print(format_rows(rows))
         return
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 
 def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: int,
-                 mesh_spec: str | None, min_kv_bytes: int = 8 << 30):
+                 mesh_spec: str | None, min_kv_bytes: int = 8 << 30, page_size: int = 16):
     """(LLM, mesh) with `batch` requests of `ctx` prompt tokens prefilled and decoding (decode
     shapes compiled), with room for 8 measurements of `steps` engine steps. The KV pool holds
     every sequence's whole length, and at least `min_kv_bytes`."""
@@ -35,7 +35,7 @@ def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: in
     llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh),
               kv_cache_bytes=max(min_kv_bytes, int(1.1 * kv_bytes)),
               max_model_len=max_len, max_num_seqs=batch, decode_steps=decode_steps,
-              mesh=mesh_spec)
+              mesh=mesh_spec, page_size=page_size)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_len - ctx - 1, ignore_eos=True)
     for i in range(batch):
@@ -57,6 +57,7 @@ def workload_parser(steps: int, steps_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--steps", type=int, default=steps, help=steps_help)
     ap.add_argument("--mesh", default=None, help="e.g. tp=2: kernel time is per device")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--json", default=None)
     return ap
 
@@ -72,7 +73,7 @@ def main():
     from jaxinfer.bench import measure_ceilings, weight_bytes
 
     llm, mesh = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
-                             args.mesh)
+                             args.mesh, page_size=args.page_size)
     devices = mesh.size  # CUPTI records every device's kernels: times are summed over them
     engine = llm.engine
 

@@ -36,6 +36,8 @@ def _model_options(fn):
                      show_default=True),
         click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Decode steps per host round trip (when every request decodes)."),
+        click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True,
+                     help="Tokens per KV-cache page."),
         click.option("--json", "json_path", default=None, help="Write the result as JSON."),
         click.option("--record", default=None, help="Append a row to this markdown file."),
         click.option("--profile", default=None, help="Write a jax.profiler trace to this dir."),
@@ -48,7 +50,7 @@ def _model_options(fn):
 
 
 def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-          decode_steps, mesh=None):
+          decode_steps, page_size, mesh=None):
     from jaxinfer import LLM
     from jaxinfer.cli.parallel import random_or_path
     from jaxinfer.errors import JaxinferError
@@ -58,7 +60,7 @@ def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_
     return LLM(random_or_path(model_path, preset, dtype, mesh), dtype=None if preset else dtype,
                kv_cache_bytes=int(kv_cache_gb * 2**30), max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
-               mesh=mesh)
+               page_size=page_size, mesh=mesh)
 
 
 def _report(kind, ceilings, rows, headline, result, json_path, record):
@@ -115,13 +117,14 @@ def kernels(backend, small, json_path, record, profile, plot):
 @click.option("--input-len", type=int, default=128, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
 def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-            decode_steps, json_path, record, profile, mesh, batch, input_len, output_len):
+            decode_steps, page_size, json_path, record, profile, mesh, batch, input_len,
+            output_len):
     """Time to first token and per-token decode time."""
     from jaxinfer.bench import bench_latency
 
     ceilings = _ceilings_in_subprocess()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                decode_steps, mesh)
+                decode_steps, page_size, mesh)
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings)
     headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
@@ -136,14 +139,14 @@ def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batche
 @click.option("--input-len", type=int, default=256, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
 def throughput(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-               decode_steps, json_path, record, profile, mesh, num_requests, input_len,
-               output_len):
+               decode_steps, page_size, json_path, record, profile, mesh, num_requests,
+               input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
     from jaxinfer.bench import bench_throughput
 
     ceilings = _ceilings_in_subprocess()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                decode_steps, mesh)
+                decode_steps, page_size, mesh)
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
     decode, roof = r["decode_tokens_per_s"], r["decode_roofline_tokens_per_s"]
@@ -194,6 +197,7 @@ def _plot(rows, ceilings, path):
               show_default=True)
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None)
 @click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--api-key", default=None)
 @click.option("--mesh", default=None, metavar="SPEC", help="--mesh of the started server.")
 @click.option("--server-warmup/--no-server-warmup", default=True, show_default=True,
@@ -211,8 +215,9 @@ def _plot(rows, ceilings, path):
 @click.option("--json", "json_path", default=None)
 @click.option("--record", default=None)
 def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-          max_model_len, decode_steps, api_key, mesh, server_warmup, num_requests, concurrency,
-          input_len, output_len, range_ratio, warmup_passes, seed, json_path, record):
+          max_model_len, decode_steps, page_size, api_key, mesh, server_warmup, num_requests,
+          concurrency, input_len, output_len, range_ratio, warmup_passes, seed, json_path,
+          record):
     """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles."""
     from jaxinfer.bench import Ceilings
     from jaxinfer.bench_serve import decode_roofline, format_summary, random_prompts, run_load
@@ -225,7 +230,7 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
         ceilings = _ceilings_in_subprocess()  # before the server takes the device's memory
         args = ["--dtype", dtype, "--kv-cache-gb", str(kv_cache_gb), "--max-num-seqs",
                 str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
-                "--decode-steps", str(decode_steps)]
+                "--decode-steps", str(decode_steps), "--page-size", str(page_size)]
         args += ["--preset", preset] if preset else ["--model", model_path]
         if max_model_len:
             args += ["--max-model-len", str(max_model_len)]

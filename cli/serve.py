@@ -60,11 +60,13 @@ def _bind(host: str, port: int) -> socket.socket:
               help="Longest prompt + output (default: the model's context, capped by the cache).")
 @click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
               help="Decode steps per engine step (more: fewer host round trips).")
+@click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per KV-cache page (prefix caching shares whole pages).")
 @click.option("--no-warmup", is_flag=True, help="Skip compiling the step buckets at start.")
 @parallel_options
 def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max_num_seqs,
-          max_num_batched_tokens, kv_cache_gb, max_model_len, decode_steps, no_warmup, mesh,
-          coordinator, num_processes, process_id):
+          max_num_batched_tokens, kv_cache_gb, max_model_len, decode_steps, page_size, no_warmup,
+          mesh, coordinator, num_processes, process_id):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
     start = time.perf_counter() - (_seconds_since_process_start() or 0.0)
@@ -83,7 +85,7 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
     llm = LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
-              mesh=mesh)
+              page_size=page_size, mesh=mesh)
     if not leader:  # runs process 0's steps until it exits
         llm.follow()
         return

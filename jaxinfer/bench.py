@@ -298,6 +298,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     tot = run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
     a, d = tot["all"], tot["decode"]
     summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
+               "page_size": llm.runner.page_size,
                "seconds": a["seconds"], "steps": a["steps"], "output_tokens": a["tokens"],
                "decode_tokens": d["tokens"], "prompt_tokens": int(sum(lens)),
                "tokens_run": a["queries"],

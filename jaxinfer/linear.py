@@ -22,18 +22,21 @@ def linear(x: jax.Array, weight: jax.Array | QuantizedWeight,
     `weight` is a float array or a `QuantizedWeight`; the bias is always float.
     `row_scale` [..., 1] float32 scales each row of the product before the bias: an
     RMSNorm folded into the weight leaves its 1 / rms(x) to be applied here
-    (`RMSNorm.fold_into`).
+    (`RMSNorm.fold_into`). The product is then rounded to x.dtype before the scale (as a
+    quantized product always is), because XLA does not fuse the scale into the GEMM: a
+    float32 product would be written and read back in full (at 64 tokens the gate/up
+    product alone is 7.3 MB per layer; bench/NOTES.md, serving engine v5).
     """
     if isinstance(weight, QuantizedWeight):
         y = quantized_matmul(x, weight)
-        if bias is None and row_scale is None:
-            return y
-        y = y.astype(jnp.float32)
     else:
         y = jax.lax.dot_general(
             x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
+            preferred_element_type=jnp.float32 if row_scale is None else x.dtype,
         )
+    if bias is None and row_scale is None:
+        return y.astype(x.dtype)
+    y = y.astype(jnp.float32)
     if row_scale is not None:
         y = y * row_scale
     if bias is not None:

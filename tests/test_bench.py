@@ -69,8 +69,9 @@ def test_moe_active_weights():
 def test_bench_throughput_tiny(tmp_path):
     data = _run(["throughput", "--preset", "tiny", "--num-requests", "6", "--input-len", "12",
                  "--output-len", "4", "--kv-cache-gb", "0.01", "--decode-steps", "2",
-                 "--profile", str(tmp_path / "trace")], tmp_path)
+                 "--page-size", "8", "--profile", str(tmp_path / "trace")], tmp_path)
     assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0 and data["steps"] > 0
+    assert data["page_size"] == 8
     # Every output token counted once; after the prefills, decode-only steps of 2 iterations.
     assert data["output_tokens"] == 6 * 4 and 0 < data["decode_tokens"] < 6 * 4
     # Every prompt token runs once (no prefix hits: fresh prompts), then every output token
@@ -100,7 +101,8 @@ def test_bench_serve_tiny(tmp_path):
     data = _run(["serve", "--preset", "tiny", "--dtype", "float32", "--num-requests", "6",
                  "--concurrency", "3", "--input-len", "20", "--output-len", "8",
                  "--kv-cache-gb", "0.01", "--max-num-seqs", "4", "--max-num-batched-tokens",
-                 "64", "--decode-steps", "4", "--no-server-warmup", "--warmup-passes", "0"],
+                 "64", "--decode-steps", "4", "--page-size", "8", "--no-server-warmup",
+                 "--warmup-passes", "0"],
                 tmp_path)
     assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0
     for key in ("ttft_ms", "itl_ms", "latency_ms"):

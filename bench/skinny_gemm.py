@@ -1,0 +1,115 @@
+"""Float GEMMs of a decode batch (M = 16..128 tokens): XLA's pick against split-K variants.
+
+    python bench/skinny_gemm.py [--preset llama3-8b] [--ms 32,64,128] [--iters 30]
+
+y = x @ W^T, x [M, K] bf16, W [N, K] bf16, for each projection of the preset (the fused
+q/k/v and gate/up, o, down). Variants, each a jitted function timed on the same inputs:
+
+  xla          `jaxinfer.linear.linear` as the model calls it (XLA's autotuned pick).
+  cublas       the same, compiled with Triton GEMMs off (cuBLAS only).
+  splitK=s     x and W cut into s pieces along K, one batched dot [s, M, N] in float32,
+               summed over s; W viewed as [N, s, K/s] (XLA may copy it to batch-major).
+  pre=s        the same with W stored batch-major, [s, N, K/s] (arranged once, untimed).
+
+Times are CUPTI kernel-time medians with the weight read from one of several copies in
+turn (more bytes than the L2 holds), as a decode step streams each layer's own weights.
+XLA's autotuner times its candidates on one weight, which may sit in L2 (the o
+projection's 33.5 MB fits in an H100's 50 MB): a pick that is fast from L2 can be slow
+from HBM. Floor: weight bytes over the copy bandwidth measured in the same run. Each
+variant's output is checked against a float32 dot of the same inputs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quantized_matmul import Rotating, copies  # noqa: E402
+
+from jaxinfer.bench import measure_ceilings, median_seconds  # noqa: E402
+from jaxinfer.linear import linear  # noqa: E402
+from jaxinfer.presets import preset_config  # noqa: E402
+
+
+def projections(config) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of the decoder's projections, q/k/v and gate/up fused."""
+    h, d = config.hidden_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+    return {"qkv": (qkv, h), "o": (h, config.num_heads * d),
+            "gate_up": (2 * config.intermediate_size, h), "down": (h, config.intermediate_size)}
+
+
+def split_k(x, w, s: int, stored: bool = False):
+    """x [M, K] @ W^T as s K-pieces: W [N, K], or [s, N, K/s] when stored batch-major."""
+    m, k = x.shape
+    xs = x.reshape(m, s, k // s)
+    if stored:
+        y = jax.lax.dot_general(xs, w, (((2,), (2,)), ((1,), (0,))),
+                                preferred_element_type=jnp.float32)
+    else:
+        ws = w.reshape(w.shape[0], s, k // s)
+        y = jax.lax.dot_general(xs, ws, (((2,), (2,)), ((1,), (1,))),
+                                preferred_element_type=jnp.float32)
+    return y.sum(0).astype(x.dtype)
+
+
+def batch_major(w, s: int):
+    n, k = w.shape
+    return jnp.transpose(w.reshape(n, s, k // s), (1, 0, 2))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--ms", default="32,64,128")
+    ap.add_argument("--splits", default="2,4")
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    c = measure_ceilings()
+    print(c.line(), flush=True)
+    variants = {"xla": jax.jit(linear),
+                "cublas": jax.jit(linear, compiler_options={
+                    "xla_gpu_enable_triton_gemm": False})}
+    splits = [int(s) for s in args.splits.split(",")]
+    for s in splits:
+        variants[f"splitK={s}"] = jax.jit(functools.partial(split_k, s=s))
+        variants[f"pre={s}"] = jax.jit(functools.partial(split_k, s=s, stored=True))
+    key = jax.random.key(0)
+    print("| proj | N x K | M | floor us | " + " | ".join(variants) + " | best % floor |")
+    print("| --- " * (5 + len(variants)) + "|")
+    for name, (n, k) in projections(preset_config(args.preset)).items():
+        w = jax.random.normal(jax.random.fold_in(key, n * k), (n, k), jnp.bfloat16) / k**0.5
+        w_copies = copies(w, 2 * n * k)
+        floor = 2 * n * k / c.copy_bytes_per_s
+        for m in map(int, args.ms.split(",")):
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+            cells = []
+            for label, fn in variants.items():
+                arranged = (lambda a, label=label: batch_major(a, int(label[4:]))
+                            if label.startswith("pre=") else a)
+                got = np.asarray(fn(x, arranged(w)), np.float32)
+                err = np.abs(got - want).max() / np.abs(want).max()
+                if not err < 2e-2:
+                    cells.append(f"FAIL ({err:.2g})")
+                    continue
+                arg_sets = [(x, arranged(wc)) for wc in w_copies]
+                t = median_seconds(Rotating(fn, arg_sets), iters=args.iters)
+                del arg_sets
+                cells.append(t)
+            times = [t for t in cells if isinstance(t, float)]
+            row = [f"{t * 1e6:.1f}" if isinstance(t, float) else t for t in cells]
+            best = floor / min(times) if times else float("nan")
+            print(f"| {name} | {n} x {k} | {m} | {floor * 1e6:.1f} | " + " | ".join(row)
+                  + f" | {best:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
