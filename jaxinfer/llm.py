@@ -19,6 +19,8 @@ from jaxinfer.sampling import SamplingParams, TokenLogprob
 from jaxinfer.sharding import MeshSpec
 from jaxinfer.tokenizer import Tokenizer
 
+MAX_PAGE_SIZE = 64  # the Mosaic attention kernel's smallest KV block (head_dim > 128)
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -58,6 +60,9 @@ class LLM:
         """`mesh` (e.g. "tp=2" or "tp=2,dp=2", see `jaxinfer.sharding`) splits the model over
         that many devices (all processes' devices, multi-host); kv_cache_bytes is per replica
         and counts every device's share."""
+        if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
+            raise JaxinferError(f"page_size {page_size}: a power of two up to {MAX_PAGE_SIZE} "
+                                "required (the attention kernels' KV blocks hold whole pages)")
         enable_compilation_cache()
         spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)
         meshes = spec.meshes()

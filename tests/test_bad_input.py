@@ -169,6 +169,15 @@ def test_bench_rejects_zero_sequences():
     assert result.exit_code == 2 and "max-num-seqs" in result.output
 
 
+@pytest.mark.parametrize("page_size", ["24", "128"])
+def test_bench_rejects_a_page_size_the_kernels_cannot_take(page_size):
+    result = CliRunner().invoke(cli, ["bench", "latency", "--preset", "tiny", "--page-size",
+                                      page_size])
+    assert result.exit_code == 1, result.output
+    assert f"page_size {page_size}: a power of two up to 64" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_library_rejects_bad_prompts_and_leaves_nothing_queued(hf_models):
     from jaxinfer import LLM, JaxinferError, SamplingParams
 
