@@ -29,7 +29,7 @@ def main():
                     "ready (the per-token host work alone, no profiler)")
     a = ap.parse_args()
     llm, _ = decoding_llm(a.preset, a.batch, a.ctx, a.decode_steps, a.steps, a.mesh,
-                          min_kv_bytes=0)
+                          min_kv_bytes=0, page_size=a.page_size)
     engine = llm.engine
     if a.time_finish:
         finish, spent = engine.finish, []

@@ -58,7 +58,7 @@ def main():
     from jax.profiler import ProfileData
 
     llm, _ = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
-                          args.mesh)
+                          args.mesh, page_size=args.page_size)
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # the Python tracer's own cost would widen the gaps
     options.host_tracer_level = 2  # XLA runtime annotations (executions, thunks, copies)
