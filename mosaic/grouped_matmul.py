@@ -166,9 +166,15 @@ def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cf
     g_end = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     g_base = g_start // MIN_WIDTH * MIN_WIDTH
     windows = jnp.where(g_end > g_start, -(-(g_end - g_base) // tile), 0)
-    item_end = jnp.cumsum(windows * n_blocks)
+    # n_blocks x the windows' cumsum (not the cumsum of n_blocks x windows): the other
+    # projection of the layer, with its own n_blocks, then shares the cumsum.
+    item_end = jnp.cumsum(windows) * n_blocks
     item_begin = item_end - windows * n_blocks
-    capacity = ((m + (MIN_WIDTH - 1) * (e + 1)) // tile + e + 2) * n_blocks
+    # At most min(E, M) experts have rows, plus the zero tail; each non-empty group's
+    # windows cover its rows and up to 7 rows before them. At one decode token (M = k)
+    # this bound is ~13x below the one for E + 1 groups, and so is the table.
+    groups = min(e, m) + 1
+    capacity = ((m + (MIN_WIDTH - 1) * groups) // tile + groups + 1) * n_blocks
     i = jnp.arange(capacity, dtype=jnp.int32)
     grp = jnp.minimum(jnp.sum(item_end[None, :] <= i[:, None], axis=1, dtype=jnp.int32), e)
     local = i - item_begin[grp]

@@ -60,14 +60,11 @@ def test_configs_match_reference(name, m, e, n, k, sizes, cfg, platform):
     run_case(m, e, n, k, sizes, cfg, platform)
 
 
-@pytest.mark.parametrize("sizes", [[3, 9, 1, 14, 6], [0, 0, 33, 0, 0], [8, 8, 8, 8, 0],
-                                   [1, 0, 2, 0, 40]])
-@pytest.mark.parametrize("max_rows", [8, 16, 32])
-def test_items_cover_each_row_once(sizes, max_rows):
+def _check_items(sizes, m, max_rows):
     """The table: windows on the 8-row grid and inside x, each row of each N block in
     exactly one item of its own group (the tail as group E), and the item's rows fit its
     B width from the window start."""
-    m, e, n_blocks = 48, len(sizes), 3
+    e, n_blocks = len(sizes), 3
     cfg = Config(max_rows=max_rows)
     padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, max_rows)
     items, count = build_items(jnp.asarray(sizes, jnp.int32), m, padded_m, n_blocks, cfg)
@@ -82,6 +79,32 @@ def test_items_cover_each_row_once(sizes, max_rows):
             assert load_start <= row_start and row_start + rows <= load_start + w
         seen[row_start:row_start + rows, n_block] += 1
     assert (seen == 1).all()
+    assert count <= items.shape[1]
+
+
+@pytest.mark.parametrize("sizes", [[3, 9, 1, 14, 6], [0, 0, 33, 0, 0], [8, 8, 8, 8, 0],
+                                   [1, 0, 2, 0, 40]])
+@pytest.mark.parametrize("max_rows", [8, 16, 32])
+def test_items_cover_each_row_once(sizes, max_rows):
+    _check_items(sizes, 48, max_rows)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 24])
+@pytest.mark.parametrize("max_rows", [8, 16])
+def test_items_fit_the_table_when_rows_are_fewer_than_experts(m, max_rows):
+    """A decode step has fewer rows than experts (M = tokens x k < E); the table is sized
+    for min(E, M) non-empty groups. Random spreads of the rows over 64 experts, including
+    one row per expert and groups that start just before an 8-row boundary (two windows
+    for two rows), must still fit it."""
+    rng = np.random.default_rng(m * 100 + max_rows)
+    spreads = [[1] * m + [0] * (64 - m), [0, 7] + [2] * ((m - 7) // 2) if m >= 9 else [m]]
+    for _ in range(30):
+        live = rng.integers(0, m + 1)
+        groups = rng.multinomial(live, rng.dirichlet(np.ones(64) * 0.3))
+        spreads.append(groups.tolist())
+    for sizes in spreads:
+        sizes = (list(sizes) + [0] * 64)[:64]
+        _check_items(sizes, m, max_rows)
 
 
 def test_choose_config_fits_shared_memory():
