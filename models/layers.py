@@ -227,7 +227,11 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         if self.folded:
             raise ValueError("RMSNorm: its scale was folded into a projection; use prepare")
-        return self.scale[...] * (x.astype(jnp.float32) * self.inv_rms(x)).astype(x.dtype)
+        return self.scaled(x, self.inv_rms(x))
+
+    def scaled(self, x, inv_rms):
+        """The norm of x given its `inv_rms(x)` (computed elsewhere, e.g. with other rows)."""
+        return self.scale[...] * (x.astype(jnp.float32) * inv_rms).astype(x.dtype)
 
     def prepare(self, x):
         """(the input of the projections this norm feeds, their row_scale): (self(x), None),
@@ -368,7 +372,7 @@ class Attention(nnx.Module):
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _norm_heads(self.q_norm, q, self.k_norm, k)
         inv_freq, rope_factor = rope_inv_freq(self.config)  # constants under jit
         q = apply_rope(q, positions, inv_freq, rope_factor)
         k = apply_rope(k, positions, inv_freq, rope_factor)
@@ -383,6 +387,21 @@ class Attention(nnx.Module):
             (heads, kv_heads, kv_heads, pages, pages, P(), P("heads")), (heads, pages, pages),
             q, k, v, *kv_pages, md, sinks)
         return self.o_proj(out.reshape(T, -1)), (k_pages, v_pages)
+
+
+def _norm_heads(q_norm: RMSNorm, q, k_norm: RMSNorm, k):
+    """(q_norm(q), k_norm(k)) for q [T, Hq, D], k [T, Hkv, D], with the per-head sums of
+    squares taken over q and k together: one reduction kernel at decode, not two."""
+    if q_norm.eps != k_norm.eps:
+        return q_norm(q), k_norm(k)
+
+    def local(q, k):  # per device: the concatenation must not cross shards
+        inv = q_norm.inv_rms(jnp.concatenate([q, k], axis=1))  # [T, Hq + Hkv, 1]
+        hq = q.shape[1]
+        return q_norm.scaled(q, inv[:, :hq]), k_norm.scaled(k, inv[:, hq:])
+
+    heads, kv_heads = P("batch", "heads", "head_dim"), P("batch", "kv_heads", "head_dim")
+    return shard_map_logical(local, (heads, kv_heads), (heads, kv_heads), q, k)
 
 
 class MLP(nnx.Module):

@@ -147,9 +147,13 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     local = expert_ids - shard_index("experts") * num_local
     local = jnp.where((local >= 0) & (local < num_local), local, num_local).reshape(-1)
     # Sort the T*k (token, expert) pairs by expert: row r of the grouped matmuls is pair
-    # order[r], i.e. token order[r] // k.
-    order = jnp.argsort(local, stable=True)
-    row_expert = jnp.minimum(local[order], num_local - 1)
+    # order[r], i.e. token order[r] // k. One sort of the keys expert * T*k + pair (unique,
+    # so stable), not an argsort: that sorts two operands, and XLA first copies the expert
+    # ids it sorts in place (they are read again below), a kernel of its own at decode.
+    pairs = local.shape[0]
+    keys = jnp.sort(local * pairs + jnp.arange(pairs, dtype=jnp.int32))
+    order, sorted_local = keys % pairs, keys // pairs
+    row_expert = jnp.minimum(sorted_local, num_local - 1)
     # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
     group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
                           dtype=jnp.int32)
@@ -157,7 +161,7 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     y_sorted = experts(x[token], group_sizes, row_expert)
     # Combine: each row, scaled by its router weight, adds into its token (one scatter-add;
     # pairs routed elsewhere carry weight 0).
-    row_weight = jnp.where(local[order] < num_local, weights.reshape(-1)[order], 0.0)
+    row_weight = jnp.where(sorted_local < num_local, weights.reshape(-1)[order], 0.0)
     out = jnp.zeros((T, y_sorted.shape[1]), jnp.float32).at[token].add(
         y_sorted.astype(jnp.float32) * row_weight[:, None])
     return reduce_over(("experts", "mlp"), out)

@@ -14,7 +14,11 @@ Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A)
   GPU, though interpret mode slices exactly). An expert with no rows has no item, so
   it costs no weight reads; an expert whose rows fit one window has one item per N
   block, so its weight is streamed once. The table has a static length (about
-  M / max_rows + E + 2 windows, times the N blocks); a scalar counts its live prefix.
+  M / max_rows + min(E, M) + 2 windows, times the N blocks); a scalar counts its live
+  prefix. Decode steps (M <= E, M <= 128) use a cheaper per-row table instead
+  (`row_items`): max_rows >= M, so each group is one window, described in the column
+  of its first row; item i is (row, N block) = divmod(i, n_blocks), and rows that start
+  no group skip theirs.
 - Persistent grid of one CTA per SM; CTA c takes items c, c + grid, ... Each CTA has
   one producer warpgroup and `compute_wgs` consumer warpgroups sharing a
   `num_stages`-deep ring of shared-memory slots that runs on across items (the next
@@ -69,6 +73,9 @@ MAX_WIDTH = 256  # the widest wgmma N
 NUM_SMS = 132  # H100 SXM (the persistent grid on a GPU that does not say)
 INTERPRET_CTAS = 4  # persistent CTAs in interpret mode (each one is simulated)
 SMEM_BYTES = 227 * 1024
+# Up to this many rows (a decode step's tokens x top-k), and no more than the experts,
+# max_rows >= M and the work items come from the per-row table (`row_items`).
+MAX_ROW_ITEMS_M = 128
 # Item table rows (fields), one column per work item.
 GROUP, N_BLOCK, ROW_START, NUM_ROWS, WIDTH, LOAD_START = range(6)
 
@@ -128,11 +135,14 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS) -> Config:
     many ring slots as fit, up to 8.
     """
     mean_rows = m / e
-    max_rows = 256 if mean_rows >= 512 else min(128, max(16, _pow2_at_least(3 * mean_rows)))
-    max_rows = min(max_rows, max(MIN_WIDTH, _pow2_at_least(m)))  # no wider than x
+    if m <= min(MAX_ROW_ITEMS_M, e):  # every group fits one window: the per-row table
+        max_rows = max(MIN_WIDTH, _pow2_at_least(m))
+    else:
+        max_rows = 256 if mean_rows >= 512 else min(128, max(16, _pow2_at_least(3 * mean_rows)))
+        max_rows = min(max_rows, max(MIN_WIDTH, _pow2_at_least(m)))  # no wider than x
     hit = min(m, e)
     wgs = 2 if n % (2 * ROWS) == 0 and hit * (n // (2 * ROWS)) >= sms else 1
-    pieces = 2 if max_rows <= 32 and k % (2 * PIECE) == 0 else 1
+    pieces = 2 if max_rows <= 64 and k % (2 * PIECE) == 0 else 1
     cfg = Config(max_rows=max_rows, compute_wgs=wgs, k_pieces=pieces, num_stages=8)
     while smem_bytes(cfg) > SMEM_BYTES and cfg.num_stages > 2:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -142,6 +152,20 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS) -> Config:
 def _swizzled():
     """bf16/f16 64-column pieces: 8-row tiles with the 128-byte swizzle wgmma reads."""
     return (plgpu.TilingTransform((8, PIECE)), plgpu.SwizzleTransform(128))
+
+
+def row_items(m: int, e: int, cfg: Config) -> bool:
+    """Whether the kernel takes its items from the per-row table (`build_row_items`): when
+    every group fits one window (M <= max_rows) and there are no more rows than experts.
+
+    Why the second condition: item i runs (row i // n_blocks, N block); rows that start no
+    group skip theirs, and CTAs take items round robin. With M <= E most rows start a group
+    (one token's k experts are distinct), so every CTA gets about the same share. With
+    many rows per expert (Mixtral: E = 8, 16 rows at 8 tokens) most items are skipped and
+    the shares went uneven: Mixtral's down projection at 8 and 64 tokens ran 25-36% slower
+    than with the item table (H200; bench/NOTES.md).
+    """
+    return m <= min(cfg.max_rows, e)
 
 
 def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cfg: Config):
@@ -192,8 +216,42 @@ def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cf
     return items, item_end[-1:]
 
 
+def build_row_items(group_sizes: jax.Array, m: int, padded_m: int, cfg: Config) -> jax.Array:
+    """items [6, M] int32: the per-row table, for M <= max_rows (every group fits one window).
+
+    Column r describes the work item of the group whose first row is r (the zero tail,
+    group E, included), for every N block: the kernel runs item (r, N block) for
+    r, N block = divmod(i, n_blocks). Rows that start no group get group E + 1, which the
+    kernel skips. Against `build_items`: no cumsum over items and no [capacity, E]
+    search, only compare-sums over [E, E] and [M, E] (shared by a layer's projections:
+    the table does not depend on N), so XLA makes a few small kernels of it, not ten.
+    """
+    e = group_sizes.shape[0]
+    if m > cfg.max_rows:
+        raise ValueError(f"per-row items need max_rows {cfg.max_rows} >= M {m}")
+    g = jnp.arange(e, dtype=jnp.int32)
+    # ends[e] = sizes[0] + ... + sizes[e], as a compare-sum (jnp.cumsum is two kernels).
+    upto = g[None, :] <= g[:, None]
+    ends = jnp.minimum(jnp.sum(jnp.where(upto, group_sizes.astype(jnp.int32)[None, :], 0),
+                               axis=1), m)
+    r = jnp.arange(m, dtype=jnp.int32)[:, None]
+    before = ends[None, :] <= r  # [M, E]: the groups that end at or before row r
+    grp = jnp.sum(before, axis=1, dtype=jnp.int32)  # row r's group (E: the tail)
+    g_start = jnp.max(jnp.where(before, ends[None, :], 0), axis=1)
+    g_end = jnp.min(jnp.where(before, m, ends[None, :]), axis=1)
+    base = g_start // MIN_WIDTH * MIN_WIDTH
+    widths = jnp.asarray(cfg.widths, jnp.int32)
+    width = jnp.sum((g_end - base)[:, None] > widths[None, :-1], axis=1, dtype=jnp.int32)
+    load_start = jnp.where(grp < e, jnp.minimum(base, padded_m - widths[width]), g_start)
+    grp = jnp.where(r[:, 0] == g_start, grp, e + 1)  # only a group's first row has items
+    return jnp.stack([grp, jnp.zeros_like(grp), g_start, g_end - g_start, width, load_start])
+
+
 def _kernel(items_ref, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, ready,
-            free, *, cfg: Config, num_experts: int, steps: int, grid: int):
+            free, *, cfg: Config, num_experts: int, steps: int, grid: int,
+            row_blocks: int | None):
+    """row_blocks: None with the item table (`build_items`); with the per-row table
+    (`build_row_items`), the N blocks: item i is (row, N block) = divmod(i, row_blocks)."""
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     wgs, stages, pieces = cfg.compute_wgs, cfg.num_stages, cfg.k_pieces
     count = count_ref[0]
@@ -201,7 +259,10 @@ def _kernel(items_ref, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem,
 
     def fields(j):
         i = cta + j * grid
-        return tuple(items_ref[f, i] for f in range(6))
+        if row_blocks is None:
+            return tuple(items_ref[f, i] for f in range(6))
+        row, n_block = lax.div(i, row_blocks), lax.rem(i, row_blocks)
+        return tuple(n_block if f == N_BLOCK else items_ref[f, row] for f in range(6))
 
     def advance(g, grp):
         """The ring position after an item: its steps, if it loaded any."""
@@ -344,8 +405,13 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     # Every token window lies inside x, in whole 8-row tiles.
     padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_rows)
     x_in = jnp.pad(x, ((0, padded_m - m), (0, 0))) if padded_m > m else x
-    items, count = build_items(group_sizes, m, padded_m, n_blocks, cfg)
-    capacity = items.shape[1]
+    if row_items(m, e, cfg):
+        items, row_blocks = build_row_items(group_sizes, m, padded_m, cfg), n_blocks
+        capacity = m * n_blocks
+        count = jnp.full((1,), capacity, jnp.int32)
+    else:
+        items, count = build_items(group_sizes, m, padded_m, n_blocks, cfg)
+        capacity, row_blocks = items.shape[1], None
     default_ctas = INTERPRET_CTAS if interpret is not None else num_sms()
     grid = max(1, min(cfg.num_ctas or default_ctas, capacity))
 
@@ -358,7 +424,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         plgpu.Barrier(num_arrivals=(wgs + 1) * pieces, num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
     ]
-    kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid)
+    kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid,
+                               row_blocks=row_blocks)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n), x.dtype),

@@ -20,8 +20,10 @@ from jaxinfer.mosaic.grouped_matmul import (
     SMEM_BYTES,
     Config,
     build_items,
+    build_row_items,
     choose_config,
     grouped_matmul_mgpu,
+    row_items,
     smem_bytes,
 )
 
@@ -38,6 +40,10 @@ CASES = [
     # Two K pieces per step, fewer ring slots than steps, M below max_rows (padded x).
     ("pieces_small_m", 12, 4, 128, 256, [0, 5, 7, 0],
      Config(max_rows=16, compute_wgs=1, k_pieces=2, num_stages=2, num_ctas=3)),
+    # Per-row items (M <= max_rows, M <= E): unaligned starts, empty experts, a zero
+    # tail, two consumers, rows that start no group (their items skipped between live ones).
+    ("row_items_tail", 20, 24, 128, 128, [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
+     Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=3)),
 ]
 
 
@@ -105,6 +111,52 @@ def test_items_fit_the_table_when_rows_are_fewer_than_experts(m, max_rows):
     for sizes in spreads:
         sizes = (list(sizes) + [0] * 64)[:64]
         _check_items(sizes, m, max_rows)
+
+
+def _check_row_items(sizes, m, max_rows):
+    """The per-row table: column r is an item iff r is the first row of a group (the tail as
+    group E) and then holds that whole group, inside one window on the 8-row grid."""
+    e = len(sizes)
+    cfg = Config(max_rows=max_rows)
+    padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, max_rows)
+    items = np.asarray(build_row_items(jnp.asarray(sizes, jnp.int32), m, padded_m, cfg))
+    assert items.shape == (6, m)
+    owner = np.repeat(np.arange(e + 1), sizes + [m - sum(sizes)])
+    seen = np.zeros(m, int)
+    for r, (grp, _, row_start, rows, width, load_start) in enumerate(items.T):
+        if grp == e + 1:
+            assert r > 0 and owner[r] == owner[r - 1], f"row {r} starts group {owner[r]}"
+            continue
+        assert row_start == r and rows >= 1 and (owner[r:r + rows] == grp).all()
+        assert r + rows == m or owner[r + rows] != grp
+        if grp < e:
+            w = cfg.widths[width]
+            assert load_start % MIN_WIDTH == 0 and load_start + w <= padded_m
+            assert load_start <= r and r + rows <= load_start + w
+            assert width == 0 or r + rows > load_start + cfg.widths[width - 1]
+        seen[r:r + rows] += 1
+    assert (seen == 1).all()
+
+
+@pytest.mark.parametrize("m,max_rows", [(1, 8), (8, 8), (12, 16), (30, 32), (64, 64)])
+def test_row_items_cover_each_row_once(m, max_rows):
+    rng = np.random.default_rng(m)
+    spreads = [[m] + [0] * 63, [0] * 63 + [m], [1] * m + [0] * (64 - m), [0] * 64]
+    for _ in range(30):
+        groups = rng.multinomial(rng.integers(0, m + 1), rng.dirichlet(np.ones(64) * 0.3))
+        spreads.append(groups.tolist())
+    for sizes in spreads:
+        _check_row_items((list(sizes) + [0] * 64)[:64], m, max_rows)
+
+
+def test_row_items_only_where_rows_are_few():
+    """Decode steps with no more rows than experts take the per-row table; Mixtral's
+    8-token step (16 rows, 8 experts) keeps the item table (see `row_items`)."""
+    for m, e, n, k, want in [(8, 128, 1536, 2048, True), (64, 128, 2048, 768, True),
+                             (2, 8, 28672, 4096, True), (16, 8, 28672, 4096, False),
+                             (512, 128, 1536, 2048, False)]:
+        cfg = choose_config(m, e, n, k)
+        assert row_items(m, e, cfg) == want, (m, e)
 
 
 def test_choose_config_fits_shared_memory():
