@@ -87,6 +87,9 @@ class Config:
     k_pieces: int = 1  # 64-column K pieces per pipeline step
     num_stages: int = 4  # ring slots
     num_ctas: int | None = None  # persistent CTAs (None: the SM count; a few in interpret mode)
+    # Rows a group's last window may take beyond max_rows, instead of a window of its own
+    # (a multiple of 8; max_rows + last_extra <= 256): see `build_items`.
+    last_extra: int = 0
 
     @property
     def block_n(self) -> int:
@@ -94,12 +97,17 @@ class Config:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        """The B widths an item may run with, narrowest first."""
+        """The B widths an item may run with, narrowest first: the powers of two up to
+        max_rows, then max_rows + last_extra."""
         out, w = [], MIN_WIDTH
         while w <= self.max_rows:
             out.append(w)
             w *= 2
-        return tuple(out)
+        return tuple(out) + ((self.max_rows + self.last_extra,) if self.last_extra else ())
+
+    @property
+    def max_width(self) -> int:
+        return self.widths[-1]
 
 
 def _pow2_at_least(v: float) -> int:
@@ -110,8 +118,8 @@ def _pow2_at_least(v: float) -> int:
 
 
 def smem_bytes(cfg: Config, itemsize: int = 2) -> int:
-    ring = cfg.num_stages * cfg.k_pieces * (cfg.block_n + cfg.max_rows) * PIECE * itemsize
-    out = cfg.compute_wgs * cfg.max_rows * ROWS * itemsize
+    ring = cfg.num_stages * cfg.k_pieces * (cfg.block_n + cfg.max_width) * PIECE * itemsize
+    out = cfg.compute_wgs * cfg.max_width * ROWS * itemsize
     return ring + out + 1024  # barriers and alignment
 
 
@@ -140,10 +148,14 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS) -> Config:
     else:
         max_rows = 256 if mean_rows >= 512 else min(128, max(16, _pow2_at_least(3 * mean_rows)))
         max_rows = min(max_rows, max(MIN_WIDTH, _pow2_at_least(m)))  # no wider than x
+    # Groups over several windows (prefill): a last window of up to max_rows / 4 rows
+    # joins the one before (Qwen3 at 4096 tokens: 256 +- 16 rows an expert).
+    extra = max_rows // 4 if max_rows == 128 and mean_rows >= max_rows else 0
     hit = min(m, e)
     wgs = 2 if n % (2 * ROWS) == 0 and hit * (n // (2 * ROWS)) >= sms else 1
     pieces = 2 if max_rows <= 64 and k % (2 * PIECE) == 0 else 1
-    cfg = Config(max_rows=max_rows, compute_wgs=wgs, k_pieces=pieces, num_stages=8)
+    cfg = Config(max_rows=max_rows, compute_wgs=wgs, k_pieces=pieces, num_stages=8,
+                 last_extra=extra)
     while smem_bytes(cfg) > SMEM_BYTES and cfg.num_stages > 2:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
@@ -189,7 +201,12 @@ def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cf
     g_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])  # [E + 1]
     g_end = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     g_base = g_start // MIN_WIDTH * MIN_WIDTH
-    windows = jnp.where(g_end > g_start, -(-(g_end - g_base) // tile), 0)
+    span = g_end - g_base
+    windows = jnp.where(g_end > g_start, -(-span // tile), 0)
+    # A last window of at most last_extra rows joins the one before it (its width
+    # max_rows + last_extra): otherwise it streams the expert's weight block once more
+    # for those few rows (prefill, ~256 rows an expert: 2 full windows and a short one).
+    windows = windows - ((windows > 1) & (span - (windows - 1) * tile <= cfg.last_extra))
     # n_blocks x the windows' cumsum (not the cumsum of n_blocks x windows): the other
     # projection of the layer, with its own n_blocks, then shares the cumsum.
     item_end = jnp.cumsum(windows) * n_blocks
@@ -206,7 +223,9 @@ def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cf
     n_block, window_index = local // per_block, local % per_block
     window = g_base[grp] + window_index * tile  # 8-row aligned
     row_start = jnp.maximum(window, g_start[grp])
-    rows = jnp.clip(jnp.minimum(window + tile, g_end[grp]) - row_start, 0, tile)
+    last = window_index == per_block - 1
+    end = jnp.where(last, g_end[grp], jnp.minimum(window + tile, g_end[grp]))
+    rows = jnp.clip(end - row_start, 0, tile + cfg.last_extra)
     needed = row_start - window + rows  # window rows up to the item's last row
     widths = jnp.asarray(cfg.widths, jnp.int32)
     width = jnp.sum(needed[:, None] > widths[None, :-1], axis=1, dtype=jnp.int32)
@@ -330,7 +349,7 @@ def _kernel(items_ref, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem,
                 pl.when((rows & box) != 0)(functools.partial(
                     store_box, shift + done, row_start + done, box))
                 done = done + (rows & box)
-                box //= 2
+                box //= 2  # (rows < 2 * max_rows: the digits from max_rows down)
 
         def mma(acc_ref, g, w):
             def step(s, _):
@@ -393,7 +412,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS)
     # A consumer hands a slot back only after issuing the next step: two slots at least.
     if (cfg.max_rows not in (8, 16, 32, 64, 128, 256) or cfg.compute_wgs not in (1, 2)
-            or cfg.num_stages < 2
+            or cfg.num_stages < 2 or cfg.last_extra % MIN_WIDTH
+            or not 0 <= cfg.last_extra < cfg.max_rows or cfg.max_width > MAX_WIDTH
             or n % cfg.block_n or k % (cfg.k_pieces * PIECE)):
         raise ValueError(f"mosaic grouped matmul: config {cfg} does not tile "
                          f"M={m} N={n} K={k}")
@@ -403,7 +423,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     steps = k // (cfg.k_pieces * PIECE)
     n_blocks = n // cfg.block_n
     # Every token window lies inside x, in whole 8-row tiles.
-    padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_rows)
+    padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_width)
     x_in = jnp.pad(x, ((0, padded_m - m), (0, 0))) if padded_m > m else x
     if row_items(m, e, cfg):
         items, row_blocks = build_row_items(group_sizes, m, padded_m, cfg), n_blocks
@@ -418,8 +438,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     stages, pieces, wgs = cfg.num_stages, cfg.k_pieces, cfg.compute_wgs
     scratch = [
         plgpu.SMEM((stages, pieces, wgs, ROWS, PIECE), w.dtype, transforms=_swizzled()),
-        plgpu.SMEM((stages, pieces, cfg.max_rows, PIECE), x.dtype, transforms=_swizzled()),
-        plgpu.SMEM((wgs, cfg.max_rows, ROWS), x.dtype),
+        plgpu.SMEM((stages, pieces, cfg.max_width, PIECE), x.dtype, transforms=_swizzled()),
+        plgpu.SMEM((wgs, cfg.max_width, ROWS), x.dtype),
         # ready: per piece, a weight box per consumer and the token rows
         plgpu.Barrier(num_arrivals=(wgs + 1) * pieces, num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer

@@ -38,6 +38,10 @@ CASES = [
     ("windows_and_tail", 72, 3, 128, 128, [45, 0, 20],
      Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2)),
     # Two K pieces per step, fewer ring slots than steps, M below max_rows (padded x).
+    # A group's short last window joined to the one before (width max_rows + last_extra),
+    # and one that stays its own (9 rows > last_extra).
+    ("last_window_extra", 80, 4, 128, 128, [36, 0, 21, 17],
+     Config(max_rows=16, compute_wgs=2, k_pieces=1, num_stages=3, num_ctas=2, last_extra=8)),
     ("pieces_small_m", 12, 4, 128, 256, [0, 5, 7, 0],
      Config(max_rows=16, compute_wgs=1, k_pieces=2, num_stages=2, num_ctas=3)),
     # Per-row items (M <= max_rows, M <= E): unaligned starts, empty experts, a zero
@@ -66,13 +70,13 @@ def test_configs_match_reference(name, m, e, n, k, sizes, cfg, platform):
     run_case(m, e, n, k, sizes, cfg, platform)
 
 
-def _check_items(sizes, m, max_rows):
+def _check_items(sizes, m, max_rows, last_extra=0):
     """The table: windows on the 8-row grid and inside x, each row of each N block in
     exactly one item of its own group (the tail as group E), and the item's rows fit its
     B width from the window start."""
     e, n_blocks = len(sizes), 3
-    cfg = Config(max_rows=max_rows)
-    padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, max_rows)
+    cfg = Config(max_rows=max_rows, last_extra=last_extra)
+    padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_width)
     items, count = build_items(jnp.asarray(sizes, jnp.int32), m, padded_m, n_blocks, cfg)
     items, count = np.asarray(items), int(np.asarray(count)[0])
     owner = np.repeat(np.arange(e + 1), sizes + [m - sum(sizes)])
@@ -90,9 +94,9 @@ def _check_items(sizes, m, max_rows):
 
 @pytest.mark.parametrize("sizes", [[3, 9, 1, 14, 6], [0, 0, 33, 0, 0], [8, 8, 8, 8, 0],
                                    [1, 0, 2, 0, 40]])
-@pytest.mark.parametrize("max_rows", [8, 16, 32])
-def test_items_cover_each_row_once(sizes, max_rows):
-    _check_items(sizes, 48, max_rows)
+@pytest.mark.parametrize("max_rows,last_extra", [(8, 0), (16, 0), (32, 0), (16, 8), (32, 8)])
+def test_items_cover_each_row_once(sizes, max_rows, last_extra):
+    _check_items(sizes, 48, max_rows, last_extra)
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 16, 24])
