@@ -85,13 +85,16 @@ def sweep_configs(x, w):
     e, n, _ = w.shape
     base = mgm.choose_config(m, e, n, k, mgm.num_sms())
     out = [base]
-    for change in (dict(max_rows=base.max_rows * 2), dict(max_rows=base.max_rows // 2),
+    for change in (dict(max_rows=base.max_rows * 2, last_extra=0),
+                   dict(max_rows=base.max_rows // 2, last_extra=base.last_extra // 2),
+                   dict(last_extra=0 if base.last_extra else base.max_rows // 4),
                    dict(compute_wgs=3 - base.compute_wgs), dict(k_pieces=3 - base.k_pieces),
                    dict(num_stages=max(2, base.num_stages - 2))):
         cfg = dataclasses.replace(base, **change)
         while mgm.smem_bytes(cfg) > mgm.SMEM_BYTES and cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
-        if (8 <= cfg.max_rows <= 256 and n % cfg.block_n == 0
+        if (8 <= cfg.max_rows <= 256 and cfg.max_width <= 256 and cfg.last_extra % 8 == 0
+                and cfg.last_extra < cfg.max_rows and n % cfg.block_n == 0
                 and k % (64 * cfg.k_pieces) == 0 and cfg not in out):
             out.append(cfg)
     return out
