@@ -28,8 +28,11 @@ Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A)
   per item among the powers of two 8..max_rows (one code path each, picked at run
   time): the narrowest that holds the window up to the item's last row, so a decode
   expert with 3 rows mostly loads 8 token rows and runs an N=8 MMA, and a full window
-  of a prefill runs N=max_rows. A window that would run past x slides back (x is
-  padded only to a multiple of 8 rows, or to max_rows when M is smaller).
+  of a prefill runs N=max_rows. A group's short last window (up to `last_extra` rows)
+  joins the window before it, which then runs N=max_rows + last_extra: a few rows do
+  not stream the expert's weight block once more. A window that would run past x
+  slides back (x is padded only to a multiple of 8 rows, or to the widest B width when
+  M is smaller).
 - Per K step of 64 * k_pieces columns the producer issues, per 64-column piece, one
   TMA per consumer for its 64 x 64 weight box (128-byte swizzle) and one for the
   token rows. A consumer waits for the slot, issues its wgmmas, keeps one step of
@@ -140,7 +143,10 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS) -> Config:
     (64-row N blocks) when two would leave SMs idle: the few-token steps, where at
     most min(M, E) experts are hit. Two K pieces per step while the token tile is
     narrow (32 KB of weights per step keeps enough bytes in flight per SM); then as
-    many ring slots as fit, up to 8.
+    many ring slots as fit, up to 8. Decode steps (M <= E, M <= MAX_ROW_ITEMS_M):
+    max_rows >= M, so that every group fits one window and the items come from the
+    per-row table (`row_items`). When groups span several 128-row windows, a last window
+    of up to 32 rows joins the one before (`last_extra`).
     """
     mean_rows = m / e
     if m <= min(MAX_ROW_ITEMS_M, e):  # every group fits one window: the per-row table
