@@ -151,8 +151,12 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     # so stable), not an argsort: that sorts two operands, and XLA first copies the expert
     # ids it sorts in place (they are read again below), a kernel of its own at decode.
     pairs = local.shape[0]
-    keys = jnp.sort(local * pairs + jnp.arange(pairs, dtype=jnp.int32))
-    order, sorted_local = keys % pairs, keys // pairs
+    if (num_local + 1) * pairs < 2 ** 31:  # the keys fit int32
+        keys = jnp.sort(local * pairs + jnp.arange(pairs, dtype=jnp.int32))
+        order, sorted_local = keys % pairs, keys // pairs
+    else:
+        order = jnp.argsort(local, stable=True)
+        sorted_local = local[order]
     row_expert = jnp.minimum(sorted_local, num_local - 1)
     # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
     group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
