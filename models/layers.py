@@ -391,9 +391,8 @@ class Attention(nnx.Module):
 
 def _norm_heads(q_norm: RMSNorm, q, k_norm: RMSNorm, k):
     """(q_norm(q), k_norm(k)) for q [T, Hq, D], k [T, Hkv, D], with the per-head sums of
-    squares taken over q and k together: one reduction kernel at decode, not two."""
-    if q_norm.eps != k_norm.eps:
-        return q_norm(q), k_norm(k)
+    squares taken over q and k together: one reduction kernel at decode, not two (both
+    norms have the config's eps)."""
 
     def local(q, k):  # per device: the concatenation must not cross shards
         inv = q_norm.inv_rms(jnp.concatenate([q, k], axis=1))  # [T, Hq + Hkv, 1]

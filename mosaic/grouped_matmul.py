@@ -186,6 +186,15 @@ def row_items(m: int, e: int, cfg: Config) -> bool:
     return m <= min(cfg.max_rows, e)
 
 
+def _group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
+    """[E] int32: each group's end row, sizes[0] + ... + sizes[e] (at most M), as a
+    compare-sum over [E, E]: one kernel, where XLA makes jnp.cumsum two reduce-windows."""
+    g = jnp.arange(group_sizes.shape[0], dtype=jnp.int32)
+    upto = g[None, :] <= g[:, None]
+    return jnp.minimum(jnp.sum(jnp.where(upto, group_sizes.astype(jnp.int32)[None, :], 0),
+                               axis=1), m)
+
+
 def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cfg: Config):
     """(items [6, capacity] int32, count [1] int32): the work items of the module docstring.
 
@@ -203,7 +212,7 @@ def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cf
     """
     e = group_sizes.shape[0]
     tile = cfg.max_rows
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    ends = _group_ends(group_sizes, m)
     g_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])  # [E + 1]
     g_end = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     g_base = g_start // MIN_WIDTH * MIN_WIDTH
@@ -254,11 +263,7 @@ def build_row_items(group_sizes: jax.Array, m: int, padded_m: int, cfg: Config) 
     e = group_sizes.shape[0]
     if m > cfg.max_rows:
         raise ValueError(f"per-row items need max_rows {cfg.max_rows} >= M {m}")
-    g = jnp.arange(e, dtype=jnp.int32)
-    # ends[e] = sizes[0] + ... + sizes[e], as a compare-sum (jnp.cumsum is two kernels).
-    upto = g[None, :] <= g[:, None]
-    ends = jnp.minimum(jnp.sum(jnp.where(upto, group_sizes.astype(jnp.int32)[None, :], 0),
-                               axis=1), m)
+    ends = _group_ends(group_sizes, m)
     r = jnp.arange(m, dtype=jnp.int32)[:, None]
     before = ends[None, :] <= r  # [M, E]: the groups that end at or before row r
     grp = jnp.sum(before, axis=1, dtype=jnp.int32)  # row r's group (E: the tail)
