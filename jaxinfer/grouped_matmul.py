@@ -6,6 +6,9 @@
   w            [E, N, K]  float expert weights (K-major, like `jaxinfer.linear`), or a
                           stacked `QuantizedWeight` (values [E, N, K], scales [E, K // g, N])
   group_sizes  [E]        int32, >= 0, summing to at most M (dynamic: shapes stay static)
+  row_expert   [M]        optional int32: each row's expert, ascending (E for the rows
+                          past sum(group_sizes)), which an MoE layer has from its sort;
+                          a kernel that walks rows then need not derive them
   -> y         [M, N]     in x.dtype, accumulated in float32; rows at or past
                           sum(group_sizes) are zero
 
@@ -53,6 +56,7 @@ def check_shapes(x, w: ExpertWeights, group_sizes):
 
 
 def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
+                   row_expert: jax.Array | None = None,
                    implementation: str | None = None) -> jax.Array:
     """x [M, K], w [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
 
@@ -67,7 +71,7 @@ def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
         if implementation is None and unsupported_reason(x, w) is not None:
             impl = "reference"
         else:
-            return grouped_matmul_mgpu(x, w, group_sizes)
+            return grouped_matmul_mgpu(x, w, group_sizes, row_expert)
     if impl == "pallas_tpu":
         from jaxinfer.pallas_kernels.grouped_matmul import grouped_matmul_tpu, unsupported_reason
         if implementation is None and unsupported_reason(x, w) is not None:

@@ -39,26 +39,47 @@ class ExpertLinear(Linear):
         self.in_features = in_features
 
     def __call__(self, x_sorted, group_sizes, row_expert):
-        """x_sorted [M, in] (rows grouped by expert), group_sizes [E], row_expert [M]
-        -> [M, out]. On a mesh this runs per device on its shards (see `MoE`): when `in` is
-        split the rows are partial sums, and only the first shard adds the bias."""
+        """x_sorted [M, in] (rows grouped by expert), group_sizes [E], row_expert [M] (each
+        row's expert, ascending; E past the groups) -> [M, out]. On a mesh this runs per
+        device on its shards (see `MoE`): when `in` is split the rows are partial sums,
+        and only the first shard adds the bias."""
         w = self.quantized_weight() if self.quantized else self.weight[...]
-        y = grouped_matmul(x_sorted, w, group_sizes)
+        y = grouped_matmul(x_sorted, w, group_sizes, row_expert=row_expert)
         if self.bias is not None:
-            bias = self.bias[...][row_expert].astype(jnp.float32)
+            e = self.bias.shape[0]
+            bias = self.bias[...][jnp.minimum(row_expert, e - 1)].astype(jnp.float32)
             if x_sorted.shape[1] != self.in_features:
                 bias = jnp.where(shard_index(self.axes[-1]) == 0, bias, 0.0)
             y = (y.astype(jnp.float32) + bias).astype(x_sorted.dtype)
         return y
 
 
+# Up to this many compares (T x E x E) the top k come from ranks (see `route`).
+RANK_TOP_K_MAX = 1 << 18
+
+
 def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32).
+    """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32), the
+    largest logit first; of equal logits the lower expert first, as `lax.top_k`.
 
     norm_topk_prob: the weights are a softmax over the k largest logits (equal to the full
     softmax's top k renormalised); else the full softmax's top-k entries as they are.
+
+    Few tokens (decode): each expert's rank (how many experts come before it) as one
+    compare-sum over [T, E, E], then the k first by rank as one more; XLA's top-k sorts
+    each row, a kernel of ~3.5 us at one token, and these two take about 1 us each.
     """
-    top_logits, experts = jax.lax.top_k(logits, k)
+    T, E = logits.shape
+    if T * E * E <= RANK_TOP_K_MAX:
+        other, this = logits[:, None, :], logits[:, :, None]  # [T, e, e']
+        ids = jnp.arange(E)
+        before = (other > this) | ((other == this) & (ids[None, None, :] < ids[None, :, None]))
+        rank = jnp.sum(before, axis=2, dtype=jnp.int32)  # [T, E]
+        slot = rank[:, None, :] == jnp.arange(k)[None, :, None]  # [T, k, E]
+        experts = jnp.sum(jnp.where(slot, ids, 0), axis=2, dtype=jnp.int32)
+        top_logits = jnp.sum(jnp.where(slot, logits[:, None, :], 0.0), axis=2)
+    else:
+        top_logits, experts = jax.lax.top_k(logits, k)
     if norm_topk_prob:
         weights = jax.nn.softmax(top_logits, axis=-1)
     else:
@@ -157,12 +178,11 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     else:
         order = jnp.argsort(local, stable=True)
         sorted_local = local[order]
-    row_expert = jnp.minimum(sorted_local, num_local - 1)
     # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
     group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
                           dtype=jnp.int32)
     token = order // k
-    y_sorted = experts(x[token], group_sizes, row_expert)
+    y_sorted = experts(x[token], group_sizes, sorted_local)
     # Combine: each row, scaled by its router weight, adds into its token (one scatter-add;
     # pairs routed elsewhere carry weight 0).
     row_weight = jnp.where(sorted_local < num_local, weights.reshape(-1)[order], 0.0)

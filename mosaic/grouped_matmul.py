@@ -16,9 +16,11 @@ Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A)
   block, so its weight is streamed once. The table has a static length (about
   M / max_rows + min(E, M) + 2 windows, times the N blocks); a scalar counts its live
   prefix. Decode steps (M <= E, M <= 128) use a cheaper per-row table instead
-  (`row_items`): max_rows >= M, so each group is one window, described in the column
-  of its first row; item i is (row, N block) = divmod(i, n_blocks), and rows that start
-  no group skip theirs.
+  (`row_items`): max_rows >= M, so each group is one window. It holds each row's
+  (group, group start, group end), built from group_sizes or from the rows' sorted
+  expert ids when the caller passes them; item i is (row, N block) =
+  divmod(i, n_blocks), rows that start no group skip theirs, and the kernel derives
+  the window and B width from the group's span.
 - Persistent grid of one CTA per SM; CTA c takes items c, c + grid, ... Each CTA has
   one producer warpgroup and `compute_wgs` consumer warpgroups sharing a
   `num_stages`-deep ring of shared-memory slots that runs on across items (the next
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -81,6 +84,13 @@ SMEM_BYTES = 227 * 1024
 MAX_ROW_ITEMS_M = 128
 # Item table rows (fields), one column per work item.
 GROUP, N_BLOCK, ROW_START, NUM_ROWS, WIDTH, LOAD_START = range(6)
+
+
+class RowTable(NamedTuple):
+    """The per-row table (`build_row_items`): for each of the M rows, [M] int32 each."""
+    group: jax.Array  # the row's group (E: the zero tail)
+    start: jax.Array  # the group's first row
+    end: jax.Array  # one past its last row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,38 +260,54 @@ def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cf
     return items, item_end[-1:]
 
 
-def build_row_items(group_sizes: jax.Array, m: int, padded_m: int, cfg: Config) -> jax.Array:
-    """items [6, M] int32: the per-row table, for M <= max_rows (every group fits one window).
+def build_row_items(group_sizes: jax.Array, m: int,
+                    row_expert: jax.Array | None = None) -> RowTable:
+    """The per-row table, for M <= max_rows (every group fits one window): each row's
+    (group, group start, group end) [M] int32, group E being the zero tail.
 
-    Column r describes the work item of the group whose first row is r (the zero tail,
-    group E, included), for every N block: the kernel runs item (r, N block) for
-    r, N block = divmod(i, n_blocks). Rows that start no group get group E + 1, which the
-    kernel skips. Against `build_items`: no cumsum over items and no [capacity, E]
-    search, only compare-sums over [E, E] and [M, E] (shared by a layer's projections:
-    the table does not depend on N), so XLA makes a few small kernels of it, not ten.
+    The kernel runs item (r, N block) = divmod(i, n_blocks) for the group whose first row
+    is r, skips rows that start no group, and derives the item's window and B width from
+    the group's span (`_row_item`). From group_sizes: compare-sums over [E, E] and [M, E].
+    From row_expert (each row's expert, sorted; E past the groups: what the MoE layer
+    sorted anyway): two compare-sums over [M, M] that XLA makes one kernel, and the group
+    sizes are not read at all. Either way no cumsum over items, and the table does not
+    depend on N, so a layer's two projections share it.
     """
-    e = group_sizes.shape[0]
-    if m > cfg.max_rows:
-        raise ValueError(f"per-row items need max_rows {cfg.max_rows} >= M {m}")
+    r = jnp.arange(m, dtype=jnp.int32)
+    if row_expert is not None:
+        g = row_expert.astype(jnp.int32)
+        start = jnp.sum(g[None, :] < g[:, None], axis=1, dtype=jnp.int32)
+        end = jnp.sum(g[None, :] <= g[:, None], axis=1, dtype=jnp.int32)
+        return RowTable(g, start, end)
     ends = _group_ends(group_sizes, m)
-    r = jnp.arange(m, dtype=jnp.int32)[:, None]
-    before = ends[None, :] <= r  # [M, E]: the groups that end at or before row r
+    before = ends[None, :] <= r[:, None]  # [M, E]: the groups that end at or before row r
     grp = jnp.sum(before, axis=1, dtype=jnp.int32)  # row r's group (E: the tail)
-    g_start = jnp.max(jnp.where(before, ends[None, :], 0), axis=1)
-    g_end = jnp.min(jnp.where(before, m, ends[None, :]), axis=1)
-    base = g_start // MIN_WIDTH * MIN_WIDTH
-    widths = jnp.asarray(cfg.widths, jnp.int32)
-    width = jnp.sum((g_end - base)[:, None] > widths[None, :-1], axis=1, dtype=jnp.int32)
-    load_start = jnp.where(grp < e, jnp.minimum(base, padded_m - widths[width]), g_start)
-    grp = jnp.where(r[:, 0] == g_start, grp, e + 1)  # only a group's first row has items
-    return jnp.stack([grp, jnp.zeros_like(grp), g_start, g_end - g_start, width, load_start])
+    start = jnp.max(jnp.where(before, ends[None, :], 0), axis=1)
+    end = jnp.min(jnp.where(before, m, ends[None, :]), axis=1)
+    return RowTable(grp, start, end)
 
 
-def _kernel(items_ref, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, ready,
+def _row_item(table, row, num_experts: int, padded_m: int, cfg: Config):
+    """(group, row start, rows, width index, load start) of the per-row item of `row`;
+    group E + 1 when the row starts no group (its items are skipped)."""
+    grp, start, end = (ref[row] for ref in table)
+    grp = jnp.where(row == start, grp, num_experts + 1)
+    base = lax.div(start, jnp.int32(MIN_WIDTH)) * MIN_WIDTH
+    widths = cfg.widths
+    width = sum(jnp.where(end - base > w, 1, 0) for w in widths[:-1])  # the narrowest fit
+    width_rows = widths[0] + sum(jnp.where(width > i, widths[i + 1] - widths[i], 0)
+                                 for i in range(len(widths) - 1))
+    # A window that would run past x slides back (still aligned: both ends are).
+    load_start = jnp.where(grp < num_experts, jnp.minimum(base, padded_m - width_rows), start)
+    return grp, start, end - start, width, load_start
+
+
+def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, ready,
             free, *, cfg: Config, num_experts: int, steps: int, grid: int,
-            row_blocks: int | None):
-    """row_blocks: None with the item table (`build_items`); with the per-row table
-    (`build_row_items`), the N blocks: item i is (row, N block) = divmod(i, row_blocks)."""
+            row_blocks: int | None, padded_m: int):
+    """table: the item table's ref (`build_items`) when row_blocks is None; else the
+    per-row table's refs (`build_row_items`), and row_blocks the N blocks: item i is
+    (row, N block) = divmod(i, row_blocks)."""
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     wgs, stages, pieces = cfg.compute_wgs, cfg.num_stages, cfg.k_pieces
     count = count_ref[0]
@@ -290,9 +316,11 @@ def _kernel(items_ref, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem,
     def fields(j):
         i = cta + j * grid
         if row_blocks is None:
-            return tuple(items_ref[f, i] for f in range(6))
+            return tuple(table[f, i] for f in range(6))
         row, n_block = lax.div(i, row_blocks), lax.rem(i, row_blocks)
-        return tuple(n_block if f == N_BLOCK else items_ref[f, row] for f in range(6))
+        grp, row_start, rows, width, load_start = _row_item(table, row, num_experts,
+                                                            padded_m, cfg)
+        return grp, n_block, row_start, rows, width, load_start
 
     def advance(g, grp):
         """The ring position after an item: its steps, if it loaded any."""
@@ -412,9 +440,11 @@ def _kernel(items_ref, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem,
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
 @functools.partial(jax.jit, static_argnames=("config",))
-def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                        row_expert: jax.Array | None = None, *,
                         config: Config | None = None) -> jax.Array:
-    """x [M, K], W [E, N, K], group_sizes [E] -> [M, N] (see the module docstring)."""
+    """x [M, K], W [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
+    row_expert [M]: each row's expert (E past the groups), if the caller has it."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic grouped matmul: {reason}")
     m, k = x.shape
@@ -437,7 +467,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_width)
     x_in = jnp.pad(x, ((0, padded_m - m), (0, 0))) if padded_m > m else x
     if row_items(m, e, cfg):
-        items, row_blocks = build_row_items(group_sizes, m, padded_m, cfg), n_blocks
+        items, row_blocks = build_row_items(group_sizes, m, row_expert), n_blocks
         capacity = m * n_blocks
         count = jnp.full((1,), capacity, jnp.int32)
     else:
@@ -456,7 +486,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
     ]
     kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid,
-                               row_blocks=row_blocks)
+                               row_blocks=row_blocks, padded_m=padded_m)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n), x.dtype),

@@ -107,17 +107,26 @@ def test_quantized_experts_stay_close_to_float(hf_models, tmp_path, fmt, toleran
     assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
 
 
-def test_router_weightings():
-    logits = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (5, 8))
-    x = np.asarray(logits, np.float64)
-    top = np.argsort(-x, axis=1)[:, :3]
-    full = np.exp(x - x.max(1, keepdims=True))
-    full /= full.sum(1, keepdims=True)
-    chosen = np.take_along_axis(full, top, 1)
-    for norm, want in [(True, chosen / chosen.sum(1, keepdims=True)), (False, chosen)]:
-        weights, experts = route(logits, 3, norm)
-        np.testing.assert_array_equal(np.asarray(experts), top)
-        np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
+@pytest.mark.parametrize("ranks", [True, False], ids=["ranks", "top_k"])
+@pytest.mark.parametrize("shape,k", [((5, 8), 3), ((16, 128), 8)])
+def test_router_weightings(monkeypatch, ranks, shape, k):
+    """Both ways to the top k (ranks at decode sizes, `lax.top_k` beyond) against a float64
+    oracle, on random logits and on small integers (many ties: the lower expert first)."""
+    import jaxinfer.models.moe as moe
+
+    monkeypatch.setattr(moe, "RANK_TOP_K_MAX", 1 << 30 if ranks else 0)
+    key = jax.random.key(np.random.randint(1 << 30))
+    tied = jax.random.randint(key, shape, -2, 3).astype(jnp.float32)
+    for logits in (jax.random.normal(key, shape), tied):
+        x = np.asarray(logits, np.float64)
+        top = np.argsort(-x, axis=1, kind="stable")[:, :k]
+        full = np.exp(x - x.max(1, keepdims=True))
+        full /= full.sum(1, keepdims=True)
+        chosen = np.take_along_axis(full, top, 1)
+        for norm, want in [(True, chosen / chosen.sum(1, keepdims=True)), (False, chosen)]:
+            weights, experts = route(logits, k, norm)
+            np.testing.assert_array_equal(np.asarray(experts), top)
+            np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
     assert route(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32), 3, True)[0].dtype \
         == jnp.float32
 
@@ -135,7 +144,8 @@ def test_padding_tokens_route_nowhere(monkeypatch):
     seen = []
     real = moe.grouped_matmul
     monkeypatch.setattr(moe, "grouped_matmul",
-                        lambda x, w, sizes: seen.append(int(sizes.sum())) or real(x, w, sizes))
+                        lambda x, w, sizes, **kw: seen.append(int(sizes.sum()))
+                        or real(x, w, sizes, **kw))
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (8, config.hidden_size))
     live = jnp.arange(8) < 3
     padded = layer(x, live)
