@@ -7,7 +7,7 @@ Per layer, for T tokens x [T, H], E experts, top-k routing:
      and count group_sizes [E];
   3. one `grouped_matmul` per projection over all experts: gate_up [E, 2I, H] (the gate
      rows, then the up rows) -> [T*k, 2I]; the activation; down [E, H, I] -> [T*k, H];
-  4. scatter-add each row, times its router weight, into its token. Qwen2-MoE adds a
+  4. each token sums its k rows times their router weights (a gather). Qwen2-MoE adds a
      shared expert scaled by sigmoid(gate(x)).
 
 Checkpoint keys inside `layers.{i}.mlp`: router.weight [E, H] (+ router.bias),
@@ -166,26 +166,51 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     num_local = experts.gate_up_proj.weight.shape[0]
     # Pairs of other devices' experts, like padding, sort past every local group.
     local = expert_ids - shard_index("experts") * num_local
-    local = jnp.where((local >= 0) & (local < num_local), local, num_local).reshape(-1)
-    # Sort the T*k (token, expert) pairs by expert: row r of the grouped matmuls is pair
-    # order[r], i.e. token order[r] // k. One sort of the keys expert * T*k + pair (unique,
-    # so stable), not an argsort: that sorts two operands, and XLA first copies the expert
-    # ids it sorts in place (they are read again below), a kernel of its own at decode.
-    pairs = local.shape[0]
-    if (num_local + 1) * pairs < 2 ** 31:  # the keys fit int32
-        keys = jnp.sort(local * pairs + jnp.arange(pairs, dtype=jnp.int32))
-        order, sorted_local = keys % pairs, keys // pairs
-    else:
-        order = jnp.argsort(local, stable=True)
-        sorted_local = local[order]
+    valid = (local >= 0) & (local < num_local)
+    local = jnp.where(valid, local, num_local).reshape(-1)
+    order, sorted_local, pair_row = _sort_pairs(local, num_local)
     # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
     group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
                           dtype=jnp.int32)
-    token = order // k
-    y_sorted = experts(x[token], group_sizes, sorted_local)
-    # Combine: each row, scaled by its router weight, adds into its token (one scatter-add;
-    # pairs routed elsewhere carry weight 0).
-    row_weight = jnp.where(sorted_local < num_local, weights.reshape(-1)[order], 0.0)
-    out = jnp.zeros((T, y_sorted.shape[1]), jnp.float32).at[token].add(
-        y_sorted.astype(jnp.float32) * row_weight[:, None])
+    y_sorted = experts(x[order // k], group_sizes, sorted_local)
+    # Combine: each token sums its k rows times their router weights (a gather, which XLA
+    # fuses into the residual add; pairs routed elsewhere carry weight 0).
+    rows = y_sorted[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
+    out = jnp.einsum("tk,tkh->th", jnp.where(valid, weights, 0.0), rows)
     return reduce_over(("experts", "mlp"), out)
+
+
+# Up to this many pairs the sort is two compare-sums over [P, P] (see `_sort_pairs`).
+RANK_SORT_MAX_PAIRS = 1024
+
+
+def _sort_pairs(local: jax.Array, num_local: int):
+    """Sorts the P (token, expert) pairs by expert, then pair: local [P] int32 (each pair's
+    expert; num_local = routed nowhere, sorting last) -> (order [P]: the pair of each
+    sorted row, sorted_local [P]: the expert of each row, pair_row [P]: the row of each
+    pair).
+
+    The keys expert * P + pair are unique, so the order is stable. Up to
+    RANK_SORT_MAX_PAIRS pairs (decode steps) a pair's row is the number of keys below its
+    own, and a row's pair and expert are compare-sums against those rows: two kernels,
+    where the sort, its key and index kernels and the scatter that inverts it were four.
+    Beyond, one sort of the keys (an argsort would sort two operands, and XLA first
+    copies the ids it sorts in place, a kernel of its own), and a scatter inverts it.
+    """
+    pairs = local.shape[0]
+    ids = jnp.arange(pairs, dtype=jnp.int32)
+    if (num_local + 1) * pairs >= 2 ** 31:  # the keys would not fit int32
+        order = jnp.argsort(local, stable=True)
+        sorted_local = local[order]
+    elif pairs > RANK_SORT_MAX_PAIRS:
+        keys = jnp.sort(local * pairs + ids)
+        order, sorted_local = keys % pairs, keys // pairs
+    else:
+        keys = local * pairs + ids
+        pair_row = jnp.sum(keys[None, :] < keys[:, None], axis=1, dtype=jnp.int32)
+        at_row = pair_row[None, :] == ids[:, None]  # [row, pair]
+        order = jnp.sum(jnp.where(at_row, ids[None, :], 0), axis=1, dtype=jnp.int32)
+        sorted_local = jnp.sum(jnp.where(at_row, local[None, :], 0), axis=1, dtype=jnp.int32)
+        return order, sorted_local, pair_row
+    pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(ids, unique_indices=True)
+    return order, sorted_local, pair_row

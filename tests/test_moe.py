@@ -131,6 +131,24 @@ def test_router_weightings(monkeypatch, ranks, shape, k):
         == jnp.float32
 
 
+@pytest.mark.parametrize("ranks", [True, False], ids=["ranks", "sort"])
+def test_pair_sort_against_numpy(monkeypatch, ranks):
+    """Both ways to sort the pairs (compare-sums at decode sizes, a sort beyond) against
+    numpy's stable argsort, with pairs routed nowhere (expert L, last)."""
+    import jaxinfer.models.moe as moe
+
+    monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 1 << 30 if ranks else 0)
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    for pairs, num_local in [(8, 128), (96, 16), (40, 3)]:
+        local = rng.integers(0, num_local + 1, pairs).astype(np.int32)
+        order, sorted_local, pair_row = (np.asarray(a) for a in
+                                         moe._sort_pairs(jnp.asarray(local), num_local))
+        want = np.argsort(local, kind="stable")
+        np.testing.assert_array_equal(order, want)
+        np.testing.assert_array_equal(sorted_local, local[want])
+        np.testing.assert_array_equal(order[pair_row], np.arange(pairs))
+
+
 def test_padding_tokens_route_nowhere(monkeypatch):
     """A padded batch's dead tokens hit no expert (a batch-1 decode reads only k experts);
     live tokens' outputs do not depend on the padding."""
