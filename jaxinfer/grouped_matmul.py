@@ -6,9 +6,9 @@
   w            [E, N, K]  float expert weights (K-major, like `jaxinfer.linear`), or a
                           stacked `QuantizedWeight` (values [E, N, K], scales [E, K // g, N])
   group_sizes  [E]        int32, >= 0, summing to at most M (dynamic: shapes stay static)
-  row_expert   [M]        optional int32: each row's expert, ascending (E for the rows
-                          past sum(group_sizes)), which an MoE layer has from its sort;
-                          a kernel that walks rows then need not derive them
+  row_groups   RowGroups  optional: each row's group and the group's span, which an MoE
+                          layer knows from its sort; a kernel that walks rows then need
+                          not derive them from group_sizes
   -> y         [M, N]     in x.dtype, accumulated in float32; rows at or past
                           sum(group_sizes) are zero
 
@@ -21,6 +21,8 @@ TPU, the pure-JAX reference elsewhere; a kernel that cannot take the inputs (its
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -28,6 +30,14 @@ from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
 from jaxinfer.quant import QuantizedWeight, dequantize
 
 ExpertWeights = jax.Array | QuantizedWeight
+
+
+class RowGroups(NamedTuple):
+    """For each of the M rows, [M] int32 each: its group (E for the rows past
+    sum(group_sizes)), and that group's first row and one past its last."""
+    group: jax.Array
+    start: jax.Array
+    end: jax.Array
 
 
 def grouped_matmul_reference(x: jax.Array, w: ExpertWeights,
@@ -56,7 +66,7 @@ def check_shapes(x, w: ExpertWeights, group_sizes):
 
 
 def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
-                   row_expert: jax.Array | None = None,
+                   row_groups: RowGroups | None = None,
                    implementation: str | None = None) -> jax.Array:
     """x [M, K], w [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
 
@@ -71,7 +81,7 @@ def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
         if implementation is None and unsupported_reason(x, w) is not None:
             impl = "reference"
         else:
-            return grouped_matmul_mgpu(x, w, group_sizes, row_expert)
+            return grouped_matmul_mgpu(x, w, group_sizes, row_groups)
     if impl == "pallas_tpu":
         from jaxinfer.pallas_kernels.grouped_matmul import grouped_matmul_tpu, unsupported_reason
         if implementation is None and unsupported_reason(x, w) is not None:

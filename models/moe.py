@@ -18,14 +18,25 @@ shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight [1, H].
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.grouped_matmul import grouped_matmul
+from jaxinfer.grouped_matmul import RowGroups, grouped_matmul
 from jaxinfer.models.layers import MLP, Linear
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
+
+
+class SortedRows(NamedTuple):
+    """The grouped matmuls' rows, sorted by expert: group_sizes [L] int32, expert [M] int32
+    (each row's expert; L past the groups), and groups, each row's group span
+    (`RowGroups`) where the sort gave it (decode steps), else None."""
+    group_sizes: jax.Array
+    expert: jax.Array
+    groups: RowGroups | None
 
 
 class ExpertLinear(Linear):
@@ -38,16 +49,15 @@ class ExpertLinear(Linear):
                          dtype=dtype, rngs=rngs, num_experts=num_experts)
         self.in_features = in_features
 
-    def __call__(self, x_sorted, group_sizes, row_expert):
-        """x_sorted [M, in] (rows grouped by expert), group_sizes [E], row_expert [M] (each
-        row's expert, ascending; E past the groups) -> [M, out]. On a mesh this runs per
-        device on its shards (see `MoE`): when `in` is split the rows are partial sums,
-        and only the first shard adds the bias."""
+    def __call__(self, x_sorted, rows: SortedRows):
+        """x_sorted [M, in] (rows grouped by expert, as `rows` says) -> [M, out]. On a mesh
+        this runs per device on its shards (see `MoE`): when `in` is split the rows are
+        partial sums, and only the first shard adds the bias."""
         w = self.quantized_weight() if self.quantized else self.weight[...]
-        y = grouped_matmul(x_sorted, w, group_sizes, row_expert=row_expert)
+        y = grouped_matmul(x_sorted, w, rows.group_sizes, row_groups=rows.groups)
         if self.bias is not None:
             e = self.bias.shape[0]
-            bias = self.bias[...][jnp.minimum(row_expert, e - 1)].astype(jnp.float32)
+            bias = self.bias[...][jnp.minimum(rows.expert, e - 1)].astype(jnp.float32)
             if x_sorted.shape[1] != self.in_features:
                 bias = jnp.where(shard_index(self.axes[-1]) == 0, bias, 0.0)
             y = (y.astype(jnp.float32) + bias).astype(x_sorted.dtype)
@@ -107,9 +117,9 @@ class Experts(nnx.Module):
             return (up + 1) * (gate * jax.nn.sigmoid(gate * c.swiglu_alpha))
         return jax.nn.silu(gate) * up
 
-    def __call__(self, x_sorted, group_sizes, row_expert):
-        h = self.gate_up_proj(x_sorted, group_sizes, row_expert)
-        return self.down_proj(self.activation(h), group_sizes, row_expert)
+    def __call__(self, x_sorted, rows: SortedRows):
+        h = self.gate_up_proj(x_sorted, rows)
+        return self.down_proj(self.activation(h), rows)
 
 
 class MoE(nnx.Module):
@@ -168,11 +178,12 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     local = expert_ids - shard_index("experts") * num_local
     valid = (local >= 0) & (local < num_local)
     local = jnp.where(valid, local, num_local).reshape(-1)
-    order, sorted_local, pair_row = _sort_pairs(local, num_local)
+    order, sorted_local, pair_row, row_groups = _sort_pairs(local, num_local)
     # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
     group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
                           dtype=jnp.int32)
-    y_sorted = experts(x[order // k], group_sizes, sorted_local)
+    rows = SortedRows(group_sizes, sorted_local, row_groups)
+    y_sorted = experts(x[order // k], rows)
     # Combine: each token sums its k rows times their router weights (a gather, which XLA
     # fuses into the residual add; pairs routed elsewhere carry weight 0).
     rows = y_sorted[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
@@ -188,14 +199,16 @@ def _sort_pairs(local: jax.Array, num_local: int):
     """Sorts the P (token, expert) pairs by expert, then pair: local [P] int32 (each pair's
     expert; num_local = routed nowhere, sorting last) -> (order [P]: the pair of each
     sorted row, sorted_local [P]: the expert of each row, pair_row [P]: the row of each
-    pair).
+    pair, row_groups: each row's `RowGroups` span, or None).
 
     The keys expert * P + pair are unique, so the order is stable. Up to
     RANK_SORT_MAX_PAIRS pairs (decode steps) a pair's row is the number of keys below its
-    own, and a row's pair and expert are compare-sums against those rows: two kernels,
-    where the sort, its key and index kernels and the scatter that inverts it were four.
-    Beyond, one sort of the keys (an argsort would sort two operands, and XLA first
-    copies the ids it sorts in place, a kernel of its own), and a scatter inverts it.
+    own (and its group's span the number of experts below / not above its own), and each
+    row's pair, expert and span are compare-sums against those rows: two kernels, where
+    the sort, its key and index kernels, the scatter that inverted it and the grouped
+    matmul's table were six. Beyond, one sort of the keys (an argsort would sort two
+    operands, and XLA first copies the ids it sorts in place, a kernel of its own), and a
+    scatter inverts it.
     """
     pairs = local.shape[0]
     ids = jnp.arange(pairs, dtype=jnp.int32)
@@ -207,10 +220,16 @@ def _sort_pairs(local: jax.Array, num_local: int):
         order, sorted_local = keys % pairs, keys // pairs
     else:
         keys = local * pairs + ids
-        pair_row = jnp.sum(keys[None, :] < keys[:, None], axis=1, dtype=jnp.int32)
+
+        def count(below):  # [P, P] -> [P]: per row, how many columns hold
+            return jnp.sum(below, axis=1, dtype=jnp.int32)
+        pair_row = count(keys[None, :] < keys[:, None])
+        start = count(local[None, :] < local[:, None])  # each pair's group span
+        end = count(local[None, :] <= local[:, None])
         at_row = pair_row[None, :] == ids[:, None]  # [row, pair]
-        order = jnp.sum(jnp.where(at_row, ids[None, :], 0), axis=1, dtype=jnp.int32)
-        sorted_local = jnp.sum(jnp.where(at_row, local[None, :], 0), axis=1, dtype=jnp.int32)
-        return order, sorted_local, pair_row
+        order, sorted_local, row_start, row_end = (
+            jnp.sum(jnp.where(at_row, v[None, :], 0), axis=1, dtype=jnp.int32)
+            for v in (ids, local, start, end))
+        return order, sorted_local, pair_row, RowGroups(sorted_local, row_start, row_end)
     pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(ids, unique_indices=True)
-    return order, sorted_local, pair_row
+    return order, sorted_local, pair_row, None

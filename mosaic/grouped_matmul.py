@@ -17,8 +17,8 @@ Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A)
   M / max_rows + min(E, M) + 2 windows, times the N blocks); a scalar counts its live
   prefix. Decode steps (M <= E, M <= 128) use a cheaper per-row table instead
   (`row_items`): max_rows >= M, so each group is one window. It holds each row's
-  (group, group start, group end), built from group_sizes or from the rows' sorted
-  expert ids when the caller passes them; item i is (row, N block) =
+  (group, group start, group end) (`RowGroups`: built from group_sizes, or passed in
+  by the MoE layer, which knows them from its sort); item i is (row, N block) =
   divmod(i, n_blocks), rows that start no group skip theirs, and the kernel derives
   the window and B width from the group's span.
 - Persistent grid of one CTA per SM; CTA c takes items c, c + grid, ... Each CTA has
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -70,6 +69,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.backend import mosaic_interpret_params
+from jaxinfer.grouped_matmul import RowGroups
 from jaxinfer.quant import QuantizedWeight
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
@@ -85,12 +85,6 @@ MAX_ROW_ITEMS_M = 128
 # Item table rows (fields), one column per work item.
 GROUP, N_BLOCK, ROW_START, NUM_ROWS, WIDTH, LOAD_START = range(6)
 
-
-class RowTable(NamedTuple):
-    """The per-row table (`build_row_items`): for each of the M rows, [M] int32 each."""
-    group: jax.Array  # the row's group (E: the zero tail)
-    start: jax.Array  # the group's first row
-    end: jax.Array  # one past its last row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,31 +254,22 @@ def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cf
     return items, item_end[-1:]
 
 
-def build_row_items(group_sizes: jax.Array, m: int,
-                    row_expert: jax.Array | None = None) -> RowTable:
+def build_row_items(group_sizes: jax.Array, m: int) -> RowGroups:
     """The per-row table, for M <= max_rows (every group fits one window): each row's
-    (group, group start, group end) [M] int32, group E being the zero tail.
+    group (E: the zero tail) and the group's span, from the group sizes (compare-sums
+    over [E, E] and [M, E]); an MoE layer passes the same table from its sort instead.
 
     The kernel runs item (r, N block) = divmod(i, n_blocks) for the group whose first row
     is r, skips rows that start no group, and derives the item's window and B width from
-    the group's span (`_row_item`). From group_sizes: compare-sums over [E, E] and [M, E].
-    From row_expert (each row's expert, sorted; E past the groups: what the MoE layer
-    sorted anyway): two compare-sums over [M, M] that XLA makes one kernel, and the group
-    sizes are not read at all. Either way no cumsum over items, and the table does not
-    depend on N, so a layer's two projections share it.
+    the group's span (`_row_item`). No cumsum over items, and the table does not depend
+    on N, so a layer's two projections share it.
     """
-    r = jnp.arange(m, dtype=jnp.int32)
-    if row_expert is not None:
-        g = row_expert.astype(jnp.int32)
-        start = jnp.sum(g[None, :] < g[:, None], axis=1, dtype=jnp.int32)
-        end = jnp.sum(g[None, :] <= g[:, None], axis=1, dtype=jnp.int32)
-        return RowTable(g, start, end)
     ends = _group_ends(group_sizes, m)
-    before = ends[None, :] <= r[:, None]  # [M, E]: the groups that end at or before row r
+    before = ends[None, :] <= jnp.arange(m)[:, None]  # [M, E]: groups ended by row r
     grp = jnp.sum(before, axis=1, dtype=jnp.int32)  # row r's group (E: the tail)
     start = jnp.max(jnp.where(before, ends[None, :], 0), axis=1)
     end = jnp.min(jnp.where(before, m, ends[None, :]), axis=1)
-    return RowTable(grp, start, end)
+    return RowGroups(grp, start, end)
 
 
 def _row_item(table, row, num_experts: int, padded_m: int, cfg: Config):
@@ -441,10 +426,10 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
 @functools.partial(jax.jit, static_argnames=("config",))
 def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                        row_expert: jax.Array | None = None, *,
+                        row_groups: RowGroups | None = None, *,
                         config: Config | None = None) -> jax.Array:
     """x [M, K], W [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
-    row_expert [M]: each row's expert (E past the groups), if the caller has it."""
+    row_groups: the per-row table (`build_row_items`), if the caller has it."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic grouped matmul: {reason}")
     m, k = x.shape
@@ -467,7 +452,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_width)
     x_in = jnp.pad(x, ((0, padded_m - m), (0, 0))) if padded_m > m else x
     if row_items(m, e, cfg):
-        items, row_blocks = build_row_items(group_sizes, m, row_expert), n_blocks
+        items = build_row_items(group_sizes, m) if row_groups is None else row_groups
+        row_blocks = n_blocks
         capacity = m * n_blocks
         count = jnp.full((1,), capacity, jnp.int32)
     else:

@@ -136,17 +136,24 @@ def test_pair_sort_against_numpy(monkeypatch, ranks):
     """Both ways to sort the pairs (compare-sums at decode sizes, a sort beyond) against
     numpy's stable argsort, with pairs routed nowhere (expert L, last)."""
     import jaxinfer.models.moe as moe
+    from jaxinfer.mosaic.grouped_matmul import build_row_items
 
     monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 1 << 30 if ranks else 0)
     rng = np.random.default_rng(np.random.randint(1 << 30))
     for pairs, num_local in [(8, 128), (96, 16), (40, 3)]:
         local = rng.integers(0, num_local + 1, pairs).astype(np.int32)
-        order, sorted_local, pair_row = (np.asarray(a) for a in
-                                         moe._sort_pairs(jnp.asarray(local), num_local))
+        order, sorted_local, pair_row, groups = moe._sort_pairs(jnp.asarray(local), num_local)
+        order, sorted_local, pair_row = (np.asarray(a) for a in (order, sorted_local, pair_row))
         want = np.argsort(local, kind="stable")
         np.testing.assert_array_equal(order, want)
         np.testing.assert_array_equal(sorted_local, local[want])
         np.testing.assert_array_equal(order[pair_row], np.arange(pairs))
+        if ranks:  # each row's group span, as the grouped matmul would build it
+            sizes = np.bincount(local, minlength=num_local + 1)[:num_local]
+            for a, b in zip(groups, build_row_items(jnp.asarray(sizes), pairs), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:
+            assert groups is None
 
 
 def test_padding_tokens_route_nowhere(monkeypatch):
