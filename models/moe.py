@@ -186,8 +186,8 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     y_sorted = experts(x[order // k], rows)
     # Combine: each token sums its k rows times their router weights (a gather, which XLA
     # fuses into the residual add; pairs routed elsewhere carry weight 0).
-    rows = y_sorted[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
-    out = jnp.einsum("tk,tkh->th", jnp.where(valid, weights, 0.0), rows)
+    token_rows = y_sorted[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
+    out = jnp.einsum("tk,tkh->th", jnp.where(valid, weights, 0.0), token_rows)
     return reduce_over(("experts", "mlp"), out)
 
 

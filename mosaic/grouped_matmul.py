@@ -86,7 +86,6 @@ MAX_ROW_ITEMS_M = 128
 GROUP, N_BLOCK, ROW_START, NUM_ROWS, WIDTH, LOAD_START = range(6)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     max_rows: int = 16  # widest token tile (wgmma N): a power of two, 8..256
