@@ -82,8 +82,6 @@ SMEM_BYTES = 227 * 1024
 # Up to this many rows (a decode step's tokens x top-k), and no more than the experts,
 # max_rows >= M and the work items come from the per-row table (`row_items`).
 MAX_ROW_ITEMS_M = 128
-# Item table rows (fields), one column per work item.
-GROUP, N_BLOCK, ROW_START, NUM_ROWS, WIDTH, LOAD_START = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +197,8 @@ def _group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
 
 
 def build_items(group_sizes: jax.Array, m: int, padded_m: int, n_blocks: int, cfg: Config):
-    """(items [6, capacity] int32, count [1] int32): the work items of the module docstring.
+    """(items [6, capacity] int32, count [1] int32): the work items of the module docstring,
+    one column each, rows (group, N block, row start, rows, B width index, load start).
 
     Group E (one past the experts) is the zero tail: the rows from sum(group_sizes) to M.
     A group's row windows start at its first row rounded down to a multiple of 8: the TMA
