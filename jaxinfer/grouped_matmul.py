@@ -9,6 +9,11 @@
   row_groups   RowGroups  optional: each row's group and the group's span, which an MoE
                           layer knows from its sort; a kernel that walks rows then need
                           not derive them from group_sizes
+  swiglu       bool       w holds each expert's gate rows, then its up rows (N = 2 N'):
+                          y = silu(x W_gate^T) * (x W_up^T) [M, N'], from the float32
+                          products (the Mosaic kernel does it in its epilogue at decode
+                          sizes, saving the activation's own kernel; elsewhere it runs
+                          after the matmul)
   -> y         [M, N]     in x.dtype, accumulated in float32; rows at or past
                           sum(group_sizes) are zero
 
@@ -40,8 +45,14 @@ class RowGroups(NamedTuple):
     end: jax.Array
 
 
-def grouped_matmul_reference(x: jax.Array, w: ExpertWeights,
-                             group_sizes: jax.Array) -> jax.Array:
+def swiglu_halves(y: jax.Array, dtype) -> jax.Array:
+    """[M, 2N'] (gate | up) -> silu(gate) * up [M, N'] in dtype, computed in float32."""
+    gate, up = jnp.split(y.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(dtype)
+
+
+def grouped_matmul_reference(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
+                             swiglu: bool = False) -> jax.Array:
     """The spec: dequantise the stack, then `jax.lax.ragged_dot` (XLA; dense on GPU)."""
     w = dequantize(w, x.dtype) if isinstance(w, QuantizedWeight) else w.astype(x.dtype)
     y = jax.lax.ragged_dot_general(
@@ -50,10 +61,10 @@ def grouped_matmul_reference(x: jax.Array, w: ExpertWeights,
             dot_dimension_numbers=(((1,), (2,)), ((), ())),
             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]),
         preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return swiglu_halves(y, x.dtype) if swiglu else y.astype(x.dtype)
 
 
-def check_shapes(x, w: ExpertWeights, group_sizes):
+def check_shapes(x, w: ExpertWeights, group_sizes, swiglu: bool = False):
     if x.ndim != 2 or len(w.shape) != 3:
         raise ValueError(f"grouped_matmul: x {tuple(x.shape)} must be [M, K] and w "
                          f"{tuple(w.shape)} [E, N, K]")
@@ -63,31 +74,36 @@ def check_shapes(x, w: ExpertWeights, group_sizes):
     if tuple(group_sizes.shape) != (e,):
         raise ValueError(f"grouped_matmul: group_sizes {tuple(group_sizes.shape)}, "
                          f"expected ({e},)")
+    if swiglu and w.shape[1] % 2:
+        raise ValueError(f"grouped_matmul: swiglu needs gate and up halves, N={w.shape[1]} "
+                         "is odd")
 
 
 def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
-                   row_groups: RowGroups | None = None,
+                   row_groups: RowGroups | None = None, swiglu: bool = False,
                    implementation: str | None = None) -> jax.Array:
-    """x [M, K], w [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
+    """x [M, K], w [E, N, K], group_sizes [E] -> [M, N], or [M, N / 2] with swiglu (see
+    the module docstring).
 
     `implementation` forces one of IMPLEMENTATIONS (tests and benchmarks); None picks
     the default for the device, falling back to the reference for inputs the kernel
     does not take.
     """
-    check_shapes(x, w, group_sizes)
+    check_shapes(x, w, group_sizes, swiglu)
     impl = implementation or default_implementation()
     if impl == "mosaic_gpu":
         from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu, unsupported_reason
         if implementation is None and unsupported_reason(x, w) is not None:
             impl = "reference"
         else:
-            return grouped_matmul_mgpu(x, w, group_sizes, row_groups)
+            return grouped_matmul_mgpu(x, w, group_sizes, row_groups, swiglu=swiglu)
     if impl == "pallas_tpu":
         from jaxinfer.pallas_kernels.grouped_matmul import grouped_matmul_tpu, unsupported_reason
         if implementation is None and unsupported_reason(x, w) is not None:
             impl = "reference"
         else:
-            return grouped_matmul_tpu(x, w, group_sizes)
+            y = grouped_matmul_tpu(x, w, group_sizes)
+            return swiglu_halves(y, x.dtype) if swiglu else y
     if impl == "reference":
-        return grouped_matmul_reference(x, w, group_sizes)
+        return grouped_matmul_reference(x, w, group_sizes, swiglu=swiglu)
     raise ValueError(f"grouped_matmul implementation {impl!r}: expected one of {IMPLEMENTATIONS}")

@@ -6,7 +6,8 @@ Per layer, for T tokens x [T, H], E experts, top-k routing:
   2. sort the T*k (token, expert) pairs by expert once; gather the rows x_sorted [T*k, H]
      and count group_sizes [E];
   3. one `grouped_matmul` per projection over all experts: gate_up [E, 2I, H] (the gate
-     rows, then the up rows) -> [T*k, 2I]; the activation; down [E, H, I] -> [T*k, H];
+     rows, then the up rows) -> [T*k, 2I]; the activation (silu(gate) * up inside the
+     gate_up call, `swiglu=True`); down [E, H, I] -> [T*k, H];
   4. each token sums its k rows times their router weights (a gather). Qwen2-MoE adds a
      shared expert scaled by sigmoid(gate(x)).
 
@@ -49,12 +50,14 @@ class ExpertLinear(Linear):
                          dtype=dtype, rngs=rngs, num_experts=num_experts)
         self.in_features = in_features
 
-    def __call__(self, x_sorted, rows: SortedRows):
-        """x_sorted [M, in] (rows grouped by expert, as `rows` says) -> [M, out]. On a mesh
+    def __call__(self, x_sorted, rows: SortedRows, swiglu: bool = False):
+        """x_sorted [M, in] (rows grouped by expert, as `rows` says) -> [M, out], or with
+        swiglu (no bias) silu(gate) * up [M, out / 2] of the gate and up halves. On a mesh
         this runs per device on its shards (see `MoE`): when `in` is split the rows are
         partial sums, and only the first shard adds the bias."""
         w = self.quantized_weight() if self.quantized else self.weight[...]
-        y = grouped_matmul(x_sorted, w, rows.group_sizes, row_groups=rows.groups)
+        y = grouped_matmul(x_sorted, w, rows.group_sizes, row_groups=rows.groups,
+                           swiglu=swiglu)
         if self.bias is not None:
             e = self.bias.shape[0]
             bias = self.bias[...][jnp.minimum(rows.expert, e - 1)].astype(jnp.float32)
@@ -118,6 +121,9 @@ class Experts(nnx.Module):
         return jax.nn.silu(gate) * up
 
     def __call__(self, x_sorted, rows: SortedRows):
+        if self.config.activation == "silu" and self.gate_up_proj.bias is None:
+            # The grouped matmul applies silu(gate) * up itself (in its epilogue, on GPU).
+            return self.down_proj(self.gate_up_proj(x_sorted, rows, swiglu=True), rows)
         h = self.gate_up_proj(x_sorted, rows)
         return self.down_proj(self.activation(h), rows)
 

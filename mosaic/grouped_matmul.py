@@ -45,6 +45,9 @@ Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A)
   `rows` (dynamic) are written as a ladder of power-of-two row boxes (the binary digits
   of `rows`): rows of other experts inside the tile are never written. Zero-tail items
   load nothing and store zeros the same way.
+- `swiglu` (W = [gate; up] rows, decode sizes): an item streams the same N block of
+  the gate and the up rows into two accumulators and stores silu(gate) * up, so the
+  activation needs no kernel of its own and [M, 2N'] never goes to memory.
 
 Why one kernel for every regime: with B up to 256 token rows a CTA tile is
 [128 features x 256 tokens] (two consumers, 64 x 256 accumulators each), the usual
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.experimental.pallas as pl
@@ -69,7 +73,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.backend import mosaic_interpret_params
-from jaxinfer.grouped_matmul import RowGroups
+from jaxinfer.grouped_matmul import RowGroups, swiglu_halves
 from jaxinfer.quant import QuantizedWeight
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
@@ -121,8 +125,9 @@ def _pow2_at_least(v: float) -> int:
     return p
 
 
-def smem_bytes(cfg: Config, itemsize: int = 2) -> int:
-    ring = cfg.num_stages * cfg.k_pieces * (cfg.block_n + cfg.max_width) * PIECE * itemsize
+def smem_bytes(cfg: Config, itemsize: int = 2, halves: int = 1) -> int:
+    """Shared memory of a config; halves = 2 when each item streams a gate and an up block."""
+    ring = cfg.num_stages * cfg.k_pieces * (halves * cfg.block_n + cfg.max_width) * PIECE * itemsize
     out = cfg.compute_wgs * cfg.max_width * ROWS * itemsize
     return ring + out + 1024  # barriers and alignment
 
@@ -132,7 +137,8 @@ def num_sms() -> int:
     return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
 
 
-def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS) -> Config:
+def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
+                  swiglu: bool = False) -> Config:
     """Static heuristics from the shapes (group sizes are only known on the device).
 
     max_rows: about three times the mean rows per expert (M / E), so that even a busy
@@ -147,7 +153,8 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS) -> Config:
     many ring slots as fit, up to 8. Decode steps (M <= E, M <= MAX_ROW_ITEMS_M):
     max_rows >= M, so that every group fits one window and the items come from the
     per-row table (`row_items`). When groups span several 128-row windows, a last window
-    of up to 32 rows joins the one before (`last_extra`).
+    of up to 32 rows joins the one before (`last_extra`). swiglu (N = 2 N'): the ring
+    fits the gate and up blocks an item streams when its epilogue can fuse them.
     """
     mean_rows = m / e
     if m <= min(MAX_ROW_ITEMS_M, e):  # every group fits one window: the per-row table
@@ -163,7 +170,8 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS) -> Config:
     pieces = 2 if max_rows <= 64 and k % (2 * PIECE) == 0 else 1
     cfg = Config(max_rows=max_rows, compute_wgs=wgs, k_pieces=pieces, num_stages=8,
                  last_extra=extra)
-    while smem_bytes(cfg) > SMEM_BYTES and cfg.num_stages > 2:
+    halves = 2 if swiglu and row_items(m, e, cfg) else 1
+    while smem_bytes(cfg, 2, halves) > SMEM_BYTES and cfg.num_stages > 2:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
 
@@ -287,12 +295,19 @@ def _row_item(table, row, num_experts: int, padded_m: int, cfg: Config):
 
 def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, ready,
             free, *, cfg: Config, num_experts: int, steps: int, grid: int,
-            row_blocks: int | None, padded_m: int):
+            row_blocks: int | None, padded_m: int, swiglu: bool):
     """table: the item table's ref (`build_items`) when row_blocks is None; else the
     per-row table's refs (`build_row_items`), and row_blocks the N blocks: item i is
-    (row, N block) = divmod(i, row_blocks)."""
+    (row, N block) = divmod(i, row_blocks).
+
+    swiglu: each item streams its N block of the gate rows and the same block of the up
+    rows (N' = out_ref's width further on) into two accumulators, and stores
+    silu(gate) * up; w_smem holds the gate boxes at [.., c] and the up boxes at
+    [.., wgs + c]."""
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     wgs, stages, pieces = cfg.compute_wgs, cfg.num_stages, cfg.k_pieces
+    halves = 2 if swiglu else 1
+    n_out = out_ref.shape[1]
     count = count_ref[0]
     my_items = jnp.maximum(count - cta + grid - 1, 0) // grid
 
@@ -331,11 +346,13 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                         plgpu.barrier_wait(free.at[slot])
                     for p in range(pieces):
                         k0 = pl.multiple_of((s * pieces + p) * PIECE, PIECE)
-                        for c in range(wgs):  # one 64 x 64 box per consumer
-                            row0 = pl.multiple_of((n_block * wgs + c) * ROWS, ROWS)
+                        # one 64 x 64 box per consumer (and half: gate, then up)
+                        for half, c in itertools.product(range(halves), range(wgs)):
+                            row0 = pl.multiple_of(half * n_out + (n_block * wgs + c) * ROWS,
+                                                  ROWS)
                             plgpu.copy_gmem_to_smem(
                                 w_ref.at[grp, pl.ds(row0, ROWS), pl.ds(k0, PIECE)],
-                                w_smem.at[slot, p, c], ready.at[slot])
+                                w_smem.at[slot, p, half * wgs + c], ready.at[slot])
                         for wi, w in enumerate(cfg.widths):  # the item's width only
                             pl.when(width == wi)(functools.partial(
                                 load_tokens, load_start, k0, slot, p, w))
@@ -373,17 +390,19 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                 done = done + (rows & box)
                 box //= 2  # (rows < 2 * max_rows: the digits from max_rows down)
 
-        def mma(acc_ref, g, w):
+        def mma(*acc_refs, g, w):
+            """One accumulator per half (gate, up); returns their values."""
             def step(s, _):
                 gs = g + s
                 slot = lax.rem(gs, stages)
                 plgpu.barrier_wait(ready.at[slot])
                 for p in range(pieces):
-                    plgpu.wgmma(acc_ref, w_smem.at[slot, p, wg],
-                                x_smem.at[slot, p, pl.ds(0, w)].transpose((1, 0)))
+                    x_tile = x_smem.at[slot, p, pl.ds(0, w)].transpose((1, 0))
+                    for half, acc_ref in enumerate(acc_refs):
+                        plgpu.wgmma(acc_ref, w_smem.at[slot, p, half * wgs + wg], x_tile)
                 # This step's MMAs may still run; the previous step's are done, so its
                 # slot goes back to the producer.
-                plgpu.wgmma_wait(pieces)
+                plgpu.wgmma_wait(pieces * halves)
 
                 @pl.when(s > 0)
                 def _():
@@ -391,7 +410,7 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                 return ()
 
             lax.fori_loop(0, steps, step, ())
-            return acc_ref[...]
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
 
         def item(j, g):
             grp, n_block, row_start, rows, width, load_start = fields(j)
@@ -405,8 +424,13 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                 store_rows(row_start, rows, 0, col0)
 
             def expert_item(w):
-                acc = pl.run_scoped(functools.partial(mma, g=g, w=w),
-                                    plgpu.ACC((ROWS, w), jnp.float32))
+                accs = pl.run_scoped(functools.partial(mma, g=g, w=w),
+                                     *[plgpu.ACC((ROWS, w), jnp.float32)] * halves)
+                if swiglu:  # silu(gate) * up, in float32
+                    gate, up = accs
+                    acc = gate / (1.0 + jnp.exp(-gate)) * up
+                else:
+                    (acc,) = accs
                 plgpu.barrier_arrive(free.at[lax.rem(g + steps - 1, stages)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_tile free again
                 o_tile.at[pl.ds(0, w)].transpose((1, 0))[...] = acc.astype(o_tile.dtype)
@@ -422,30 +446,37 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
 
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("swiglu", "config"))
 def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                        row_groups: RowGroups | None = None, *,
+                        row_groups: RowGroups | None = None, *, swiglu: bool = False,
                         config: Config | None = None) -> jax.Array:
     """x [M, K], W [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
-    row_groups: the per-row table (`build_row_items`), if the caller has it."""
+    row_groups: the per-row table (`build_row_items`), if the caller has it. swiglu: W
+    holds gate rows, then up rows -> silu(gate) * up [M, N / 2]; fused into the kernel's
+    epilogue on the per-row path (decode), applied after the kernel otherwise (the two
+    [64, width] accumulators of a prefill tile would not fit the registers)."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic grouped matmul: {reason}")
     m, k = x.shape
     e, n, _ = w.shape
     interpret = mosaic_interpret_params()
-    cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS)
+    cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS,
+                                  swiglu)
+    fused = swiglu and row_items(m, e, cfg)
+    halves = 2 if fused else 1
     # A consumer hands a slot back only after issuing the next step: two slots at least.
     if (cfg.max_rows not in (8, 16, 32, 64, 128, 256) or cfg.compute_wgs not in (1, 2)
             or cfg.num_stages < 2 or cfg.last_extra % MIN_WIDTH
             or not 0 <= cfg.last_extra < cfg.max_rows or cfg.max_width > MAX_WIDTH
-            or n % cfg.block_n or k % (cfg.k_pieces * PIECE)):
+            or n % (halves * cfg.block_n) or k % (cfg.k_pieces * PIECE)):
         raise ValueError(f"mosaic grouped matmul: config {cfg} does not tile "
                          f"M={m} N={n} K={k}")
-    if smem_bytes(cfg, x.dtype.itemsize) > SMEM_BYTES:
+    if smem_bytes(cfg, x.dtype.itemsize, halves) > SMEM_BYTES:
         raise ValueError(f"mosaic grouped matmul: config {cfg} needs "
-                         f"{smem_bytes(cfg, x.dtype.itemsize)} bytes of shared memory")
+                         f"{smem_bytes(cfg, x.dtype.itemsize, halves)} bytes of shared memory")
     steps = k // (cfg.k_pieces * PIECE)
-    n_blocks = n // cfg.block_n
+    n_out = n // halves
+    n_blocks = n_out // cfg.block_n
     # Every token window lies inside x, in whole 8-row tiles.
     padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_width)
     x_in = jnp.pad(x, ((0, padded_m - m), (0, 0))) if padded_m > m else x
@@ -462,18 +493,19 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
 
     stages, pieces, wgs = cfg.num_stages, cfg.k_pieces, cfg.compute_wgs
     scratch = [
-        plgpu.SMEM((stages, pieces, wgs, ROWS, PIECE), w.dtype, transforms=_swizzled()),
+        plgpu.SMEM((stages, pieces, halves * wgs, ROWS, PIECE), w.dtype,
+                   transforms=_swizzled()),
         plgpu.SMEM((stages, pieces, cfg.max_width, PIECE), x.dtype, transforms=_swizzled()),
         plgpu.SMEM((wgs, cfg.max_width, ROWS), x.dtype),
-        # ready: per piece, a weight box per consumer and the token rows
-        plgpu.Barrier(num_arrivals=(wgs + 1) * pieces, num_barriers=stages),
+        # ready: per piece, a weight box per consumer (and half) and the token rows
+        plgpu.Barrier(num_arrivals=(halves * wgs + 1) * pieces, num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
     ]
     kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid,
-                               row_blocks=row_blocks, padded_m=padded_m)
-    return plgpu.kernel(
+                               row_blocks=row_blocks, padded_m=padded_m, swiglu=fused)
+    y = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+        out_type=jax.ShapeDtypeStruct((m, n_out), x.dtype),
         scratch_types=scratch,
         grid=(grid,), grid_names=("cta",),
         num_threads=wgs + 1, thread_name="wg",
@@ -481,6 +513,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
             lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(items, count, x_in, w)
+    return swiglu_halves(y, x.dtype) if swiglu and not fused else y
 
 
 def unsupported_reason(x: jax.Array, w) -> str | None:

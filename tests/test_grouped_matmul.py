@@ -31,7 +31,7 @@ KERNEL_MODULES = {"mosaic_gpu": "jaxinfer.mosaic.grouped_matmul",
                   "pallas_tpu": "jaxinfer.pallas_kernels.grouped_matmul"}
 
 
-def run(case: Case, implementation: str, platform: str):
+def run(case: Case, implementation: str, platform: str, swiglu: bool = False):
     b = build(case)
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
         w = (quantize(b["w"], case.fmt) if case.fmt
@@ -46,9 +46,10 @@ def run(case: Case, implementation: str, platform: str):
                 with pytest.raises(ValueError, match=re.escape(reason)):
                     grouped_matmul(x, w, sizes, implementation=implementation)
                 implementation = None
-        fn = jax.jit(functools.partial(grouped_matmul, implementation=implementation))
+        fn = jax.jit(functools.partial(grouped_matmul, swiglu=swiglu,
+                                       implementation=implementation))
         y = fn(x, w, sizes)
-    assert y.dtype == x.dtype and y.shape == (case.m, case.n)
+    assert y.dtype == x.dtype and y.shape == (case.m, case.n // 2 if swiglu else case.n)
     return b, w, np.asarray(y.astype(jnp.float32), np.float64)
 
 
@@ -60,6 +61,33 @@ def test_grouped_matmul_matches_oracle(name, implementation, platform):
     want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
     err = np.abs(y - want)
     assert np.isfinite(y).all(), "non-finite outputs (unwritten rows?)"
+    worst = np.unravel_index(np.argmax(err - allowance), err.shape)
+    assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
+
+
+SWIGLU_CASES = ["bf16_decode", "bf16_m1", "bf16_random", "bf16_partial", "int8_decode"]
+
+
+@pytest.mark.parametrize("implementation,platform", BACKENDS)
+@pytest.mark.parametrize("name", SWIGLU_CASES)
+def test_swiglu_matches_oracle(name, implementation, platform):
+    """silu(gate) * up of the two halves of N, against the float64 oracle's product: the
+    allowance carries the halves' own through silu' <= 1.1 and the product, plus the
+    output's rounding."""
+    case = CASES[name]
+    b, w, y = run(case, implementation, platform, swiglu=True)
+    want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
+    half = case.n // 2
+    gate, up = want[:, :half], want[:, half:]
+    a_gate, a_up = allowance[:, :half], allowance[:, half:]
+    silu = gate / (1 + np.exp(-gate))
+    want = silu * up
+    allowance = 1.1 * np.abs(up) * a_gate + (np.abs(silu) + 1.1 * a_gate) * a_up
+    if case.dtype != "float32":
+        allowance += np.abs(want) * 2.0 ** -7
+    assert np.isfinite(y).all(), "non-finite outputs (unwritten rows?)"
+    assert (y[b["sizes"].sum():] == 0).all(), "rows past the groups must be zero"
+    err = np.abs(y - want)
     worst = np.unravel_index(np.argmax(err - allowance), err.shape)
     assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
 

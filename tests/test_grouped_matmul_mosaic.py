@@ -50,20 +50,35 @@ CASES = [
     ("row_items_tail", 20, 24, 128, 128, [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
      Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=3)),
 ]
+# silu(gate) * up in the epilogue (per-row items only): two consumers, each streaming a
+# gate and an up box per piece, two K pieces a step; and on the item-table path, where
+# the activation runs after the kernel.
+SWIGLU_CASES = [
+    ("swiglu_row_items", 20, 24, 256, 256, [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
+     Config(max_rows=32, compute_wgs=2, k_pieces=2, num_stages=2, num_ctas=3)),
+    ("swiglu_one_row", 1, 8, 128, 128, [0, 0, 0, 1, 0, 0, 0, 0],
+     Config(max_rows=8, compute_wgs=1, k_pieces=1, num_stages=2, num_ctas=2)),
+    ("swiglu_item_table", 40, 5, 128, 128, [3, 9, 1, 14, 6],
+     Config(max_rows=16, compute_wgs=1, k_pieces=1, num_stages=3, num_ctas=2)),
+]
 
 
-def run_case(m, e, n, k, sizes, cfg, platform):
+def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False):
     rng = np.random.default_rng(0)
     with jax.default_device(jax.devices(platform)[0]):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.bfloat16)
         gs = jnp.asarray(sizes, jnp.int32)
-        got = np.asarray(grouped_matmul_mgpu(x, w, gs, config=cfg).astype(jnp.float32))
-        want = np.asarray(grouped_matmul_reference(x, w, gs).astype(jnp.float32))
+        got = np.asarray(grouped_matmul_mgpu(x, w, gs, swiglu=swiglu, config=cfg)
+                         .astype(jnp.float32))
+        want = np.asarray(grouped_matmul_reference(x, w, gs, swiglu=swiglu)
+                          .astype(jnp.float32))
         if row_items(m, e, cfg):  # the per-row table passed in (group sizes unread): same
             table = build_row_items(gs, m)
-            passed = grouped_matmul_mgpu(x, w, jnp.zeros_like(gs), table, config=cfg)
+            passed = grouped_matmul_mgpu(x, w, jnp.zeros_like(gs), table, swiglu=swiglu,
+                                         config=cfg)
             np.testing.assert_array_equal(np.asarray(passed.astype(jnp.float32)), got)
+    assert got.shape == (m, n // 2 if swiglu else n)
     assert np.isfinite(got).all(), "unwritten output rows"
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
     assert (got[sum(sizes):] == 0).all(), "rows past the groups must be exact zeros"
@@ -73,6 +88,13 @@ def run_case(m, e, n, k, sizes, cfg, platform):
 @pytest.mark.parametrize("name,m,e,n,k,sizes,cfg", CASES, ids=[c[0] for c in CASES])
 def test_configs_match_reference(name, m, e, n, k, sizes, cfg, platform):
     run_case(m, e, n, k, sizes, cfg, platform)
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name,m,e,n,k,sizes,cfg", SWIGLU_CASES,
+                         ids=[c[0] for c in SWIGLU_CASES])
+def test_swiglu_matches_reference(name, m, e, n, k, sizes, cfg, platform):
+    run_case(m, e, n, k, sizes, cfg, platform, swiglu=True)
 
 
 def _check_items(sizes, m, max_rows, last_extra=0):
