@@ -30,12 +30,13 @@ from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
-def batch(seqs, kv_dtype=jnp.bfloat16, seed=0, page=PAGE):
+def batch(seqs, kv_dtype=jnp.bfloat16, seed=0, page=PAGE, hkv=HKV, width=None):
     """Inputs for one step: seqs = [(q_len, kv_len)], pages of `page` tokens shuffled over
-    the pool."""
+    the pool, `hkv` KV heads (HQ query heads); `width` pages per sequence in page_indices
+    (default: the fewest that hold the longest; the engine pads it to a power of two)."""
     rng = np.random.default_rng(seed)
     T = sum(q for q, _ in seqs)
-    P = max(-(-kv // page) for _, kv in seqs)
+    P = max(width or 0, max(-(-kv // page) for _, kv in seqs))
     num_pages = sum(-(-kv // page) for _, kv in seqs)
     perm = rng.permutation(num_pages).astype(np.int32)
     page_indices = np.zeros((len(seqs), P), np.int32)
@@ -46,15 +47,15 @@ def batch(seqs, kv_dtype=jnp.bfloat16, seed=0, page=PAGE):
         start += n
     ks = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(ks[0], (T, HQ, D), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (T, HKV, D), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (T, HKV, D), jnp.bfloat16)
-    kp = jax.random.normal(ks[3], (num_pages, page, HKV, D), jnp.bfloat16).astype(kv_dtype)
-    vp = jax.random.normal(ks[4], (num_pages, page, HKV, D), jnp.bfloat16).astype(kv_dtype)
+    k = jax.random.normal(ks[1], (T, hkv, D), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (T, hkv, D), jnp.bfloat16)
+    kp = jax.random.normal(ks[3], (num_pages, page, hkv, D), jnp.bfloat16).astype(kv_dtype)
+    vp = jax.random.normal(ks[4], (num_pages, page, hkv, D), jnp.bfloat16).astype(kv_dtype)
     md = AttentionMetadata(
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum([q for q, _ in seqs])]), jnp.int32),
         kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
         page_indices=jnp.asarray(page_indices), num_seqs=jnp.array([len(seqs)], jnp.int32))
-    kv_bytes = sum(2 * kv * HKV * D * jnp.dtype(kv_dtype).itemsize for _, kv in seqs)
+    kv_bytes = sum(2 * kv * hkv * D * jnp.dtype(kv_dtype).itemsize for _, kv in seqs)
     # Causal FLOPs: each query token sees kv_len - q_len + i + 1 keys.
     seen = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in seqs)
     return (q, k, v, kp, vp, md), kv_bytes, 4 * seen * HQ * D
@@ -92,6 +93,18 @@ def stock_paged_attention(args):
     return fn, (q, kp_t, vp_t, bt, md.kv_lens)
 
 
+def kernel_breakdown(fn, args, iters=11):
+    """Prints each kernel's median time (us) of one call of fn (CUPTI)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*args))
+    runs = [profiler.measure(fn, aggregate=False)(*args)[1] for _ in range(iters)]
+    names = [n for n, _ in runs[0]]
+    medians = [float(np.median([r[i][1] for r in runs])) * 1e3 for i in range(len(names))]
+    parts = [f"{n[:40]} {t:.2f}" for n, t in zip(names, medians, strict=True)]
+    print("    kernels: " + ", ".join(parts), flush=True)
+
+
 def check(fn, ref_fn, args, name):
     got = np.asarray(fn(*args).astype(jnp.float32))
     want = np.asarray(ref_fn(*args).astype(jnp.float32))
@@ -112,6 +125,10 @@ def main():
     ap.add_argument("--batch1-sweep", action="store_true",
                     help="only batch-1 decode (the latency benchmark's shape) over KV splits "
                     "and block sizes")
+    ap.add_argument("--kv-heads", type=int, default=HKV,
+                    help=f"--batch1-sweep: KV heads (of {HQ} query heads; Qwen3-30B-A3B: 4)")
+    ap.add_argument("--contexts", default="512,1024,1600",
+                    help="--batch1-sweep: KV lengths, a comma-separated list")
     ap.add_argument("--json")
     a = ap.parse_args()
     c = measure_ceilings()
@@ -147,15 +164,19 @@ def main():
         return
 
     if a.batch1_sweep:
-        for ctx in (512, 1024, 1600):
-            args, nbytes, flops = batch([(1, ctx)])
-            label = f"B=1 ctx={ctx}"
+        for ctx in map(int, a.contexts.split(",")):
+            # page_indices as wide as the engine makes it (a power of two of pages)
+            width = 1 << (-(-ctx // PAGE) - 1).bit_length()
+            args, nbytes, flops = batch([(1, ctx)], hkv=a.kv_heads, width=width)
+            label = f"B=1 Hkv={a.kv_heads} ctx={ctx}"
             check(full("mosaic_gpu"), reference(), args, label)
             add(f"{label} mosaic default", ours(), args, nbytes, flops)
-            for bk, st, splits in [(128, 3, 1), (128, 3, 2), (128, 3, 4), (128, 2, 8),
-                                   (64, 3, 2), (64, 3, 4), (64, 3, 8), (64, 2, 16),
-                                   (64, 2, 25)]:
-                if splits * bk <= ctx:
+            kernel_breakdown(ours(), args)
+            kernel_breakdown(ours(Config(128, 3, 1, 1, 8)), args)
+            for bk, st, splits in [(128, 3, 1), (128, 4, 1), (128, 3, 2), (128, 3, 3),
+                                   (128, 3, 5), (64, 3, 1), (64, 4, 1), (64, 3, 2),
+                                   (64, 3, 5), (64, 3, 10), (64, 2, 16)]:
+                if splits * bk <= ctx + bk:
                     add(f"{label} mosaic bk={bk} stages={st} splits={splits}",
                         ours(Config(bk, st, 1, splits, 8)), args, nbytes, flops)
         print(format_rows(rows))

@@ -17,7 +17,9 @@ Algorithm (flash attention over pages):
 - Work items are (work entry, KV head, KV split) triples. The grid is
   persistent: about one CTA per SM, each running a list of items that XLA
   builds per step (`_schedule`: items sorted by the KV blocks they read and
-  dealt out in snake order, so the lists cost about the same). Each CTA runs
+  dealt out in snake order, so the lists cost about the same), each item a row
+  of its fields and its first block's page ids (`_item_rows`: one round of
+  scalar loads before a CTA's first TMA, not four dependent ones). Each CTA runs
   `compute_wgs` consumer warpgroups (64 query rows each) and one producer
   warpgroup that streams KV blocks of `block_kv` tokens: one TMA per page
   (page_size x D, 128-byte swizzled) into a `num_stages`-deep ring that runs on
@@ -160,7 +162,47 @@ def _schedule(work, num_kv_heads: int, num_splits: int, num_ctas: int, block_kv:
     return items, counts
 
 
-def _attention_kernel(items_ref, counts_ref, work_ref, page_indices_ref, q_ref, k_pages_ref,
+# The fields of an item's row in the table the kernel reads (`_item_rows`), then the
+# page ids of its first KV block.
+ITEM_FIELDS = ("kv_head", "entry", "split", "seq", "tokens", "pos0", "kv_len", "first_block",
+               "blocks")
+
+
+def _item_rows(items, work, page_indices, *, num_kv_heads: int, num_splits: int,
+               block_kv: int, page_size: int, sliding_window: int | None):
+    """items [C, R] (`_schedule`) -> [C, R, len(ITEM_FIELDS) + block_kv // page_size] int32:
+    each item's fields, then the page ids of its first KV block (dead items: garbage).
+
+    Built by XLA once per step (every layer's call shares it), so that a CTA's first KV
+    loads wait on one round of scalar loads (its row) instead of four dependent ones
+    (its count, its item, the item's work entry, the page ids). Pages past kv_len read the
+    sequence's first page instead (finite values; those columns are masked).
+    """
+    i = jnp.maximum(items, 0)
+    split = i % num_splits
+    h = i // num_splits % num_kv_heads
+    entry = i // (num_splits * num_kv_heads)
+    seq, num_tokens, pos0, kv_len = (work[entry, c] for c in (0, 2, 3, 4))
+    # KV blocks this item reads: causal end, sliding-window start, then this split's share.
+    kv_end = pos0 + num_tokens
+    kv_begin = jnp.zeros_like(kv_end)
+    if sliding_window is not None:
+        kv_begin = jnp.maximum(pos0 - sliding_window + 1, 0)
+    blk_begin = kv_begin // block_kv
+    blk_count = jnp.where(num_tokens > 0, (kv_end + block_kv - 1) // block_kv - blk_begin, 0)
+    per_split = (blk_count + num_splits - 1) // num_splits
+    lo = blk_begin + jnp.minimum(split * per_split, blk_count)
+    steps = jnp.maximum(jnp.minimum(per_split, blk_begin + blk_count - lo), 0)
+    pages_per_block = block_kv // page_size
+    slot = lo[..., None] * pages_per_block + jnp.arange(pages_per_block)
+    valid = slot * page_size < kv_len[..., None]
+    max_pages = page_indices.shape[1]
+    ids = page_indices[seq[..., None], jnp.where(valid, jnp.minimum(slot, max_pages - 1), 0)]
+    fields = jnp.stack([h, entry, split, seq, num_tokens, pos0, kv_len, lo, steps], axis=-1)
+    return jnp.concatenate([fields, ids], axis=-1).astype(jnp.int32)
+
+
+def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_pages_ref,
                       v_pages_ref, sinks_ref, out_ref, lse_ref, scratch, *, cfg: Config,
                       group: int, head_dim: int, page_size: int, sm_scale: float,
                       sliding_window: int | None, soft_cap: float | None, fp8: bool,
@@ -168,43 +210,35 @@ def _attention_kernel(items_ref, counts_ref, work_ref, page_indices_ref, q_ref, 
     (q_smem, k_smem, v_smem, o_smem, lse_smem, k16_smem, v16_smem, p_smem,
      k_ready, v_ready, q_ready, k_free, v_free) = scratch
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
-    num_kv_heads = q_ref.shape[0]
     bk, stages, wgs, splits = cfg.block_kv, cfg.num_stages, cfg.compute_wgs, cfg.num_splits
     pages_per_block = bk // page_size
     tile_rows = cfg.tile_rows
     tokens_per_wg = tile_rows // group
     max_pages = page_indices_ref.shape[1]
+    max_items = item_rows_ref.shape[1]
     num_items = counts_ref[cta]
 
     def item(j):
         """This CTA's j-th item: (KV head, entry, split, seq, tokens, pos0, kv_len, first
-        KV block, KV blocks)."""
-        i = items_ref[cta, j]
-        split = lax.rem(i, jnp.int32(splits))
-        h = lax.rem(lax.div(i, jnp.int32(splits)), jnp.int32(num_kv_heads))
-        entry = lax.div(i, jnp.int32(splits * num_kv_heads))
-        seq = work_ref[entry, 0]
-        num_tokens, pos0, kv_len = work_ref[entry, 2], work_ref[entry, 3], work_ref[entry, 4]
-        # KV blocks this item reads: causal end, sliding-window start, then this split's share.
-        kv_end = pos0 + num_tokens
-        kv_begin = jnp.int32(0)
-        if sliding_window is not None:
-            kv_begin = jnp.maximum(pos0 - sliding_window + 1, 0)
-        blk_begin = kv_begin // bk
-        blk_count = jnp.where(num_tokens > 0, (kv_end + bk - 1) // bk - blk_begin, 0)
-        per_split = (blk_count + splits - 1) // splits
-        lo = blk_begin + jnp.minimum(split * per_split, blk_count)
-        steps = jnp.maximum(jnp.minimum(per_split, blk_begin + blk_count - lo), 0)
-        return h, entry, split, seq, num_tokens, pos0, kv_len, lo, steps
+        KV block, KV blocks), one independent scalar load each (`_item_rows`)."""
+        return tuple(item_rows_ref[cta, j, f] for f in range(len(ITEM_FIELDS)))
+
+    def first_page_ids(j):
+        return tuple(item_rows_ref[cta, j, len(ITEM_FIELDS) + p]
+                     for p in range(pages_per_block))
 
     @pl.when(wg == wgs)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        def run_item(j, t0):
+        def run_item(j, carry):
             """Streams item j's KV blocks; t0 counts the blocks of the CTA's earlier items
-            (the ring's position)."""
-            h, _, _, seq, _, _, kv_len, lo, steps = item(j)
+            (the ring's position). Item j's row came with the carry, loaded during item
+            j - 1 (the first one before the loop, alongside the CTA's item count)."""
+            t0, fields, first_ids = carry
+            nxt = jnp.minimum(j + 1, max_items - 1)
+            next_row = item(nxt), first_page_ids(nxt)
+            h, _, _, seq, _, _, kv_len, lo, steps = fields
 
             def page_ids(block):
                 # One scalar load per page, all issued before any TMA that uses them (and a
@@ -240,10 +274,11 @@ def _attention_kernel(items_ref, counts_ref, work_ref, page_indices_ref, q_ref, 
                 load(v_pages_ref, v_smem.at[slot], v_ready.at[slot], ids)
                 return next_ids
 
-            lax.fori_loop(0, steps, produce, page_ids(lo))
-            return t0 + steps
+            lax.fori_loop(0, steps, produce, first_ids)
+            return (t0 + steps, *next_row)
 
-        total = lax.fori_loop(0, num_items, run_item, jnp.int32(0))
+        total, _, _ = lax.fori_loop(0, num_items, run_item,
+                                    (jnp.int32(0), item(0), first_page_ids(0)))
         # Observe the ring's last releases too (those of blocks total - stages ..
         # total - 1), so every barrier phase this thread waits on is seen through
         # (interpret mode checks it; on the GPU the consumer is finishing anyway).
@@ -272,9 +307,7 @@ def _attention_kernel(items_ref, counts_ref, work_ref, page_indices_ref, q_ref, 
             plgpu.copy_gmem_to_smem(q_ref.at[h, entry, pl.ds(wg * tile_rows, tile_rows)],
                                     q_smem.at[wg, pl.ds(0, tile_rows)], q_ready.at[wg])
 
-        @pl.when(num_items > 0)
-        def _():
-            load_q(0)
+        load_q(0)  # before the item count is known (a CTA without items waits for it below)
 
         def upcast(src, dst):
             # fp8 pages -> f16 copy in shared memory (exact), for wgmma.
@@ -405,6 +438,10 @@ def _attention_kernel(items_ref, counts_ref, work_ref, page_indices_ref, q_ref, 
             return t0 + steps
 
         lax.fori_loop(0, num_items, run_item, jnp.int32(0))
+
+        @pl.when(num_items == 0)
+        def _():
+            plgpu.barrier_wait(q_ready.at[wg])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -575,21 +612,24 @@ def attend_pages_mgpu(
         sliding_window=sliding_window, soft_cap=soft_cap, fp8=fp8,
         v_scale=v_scale if fp8 else None)
 
-    def entry(items_ref, counts_ref, work_ref, pages_ref, q_ref, kp_ref, vp_ref, *rest):
+    def entry(item_rows_ref, counts_ref, pages_ref, q_ref, kp_ref, vp_ref, *rest):
         if sinks_rows is not None:
             sinks_ref, *rest = rest
         else:
             sinks_ref = None
         out_ref, lse_ref = (rest[0], rest[1]) if split else (rest[0], None)
         pl.run_scoped(
-            lambda *s: kernel_fn(items_ref, counts_ref, work_ref, pages_ref, q_ref, kp_ref,
+            lambda *s: kernel_fn(item_rows_ref, counts_ref, pages_ref, q_ref, kp_ref,
                                  vp_ref, sinks_ref, out_ref, lse_ref, (*s[0], *s[1:])),
             scratch, *barriers, collective_axes="wg")
 
     num_items = num_entries * Hkv * cfg.num_splits
     num_ctas = max(1, min(cfg.num_ctas, num_items))
     items, counts = _schedule(work, Hkv, cfg.num_splits, num_ctas, bk)
-    args = [items, counts, work, page_indices, q_tiles, k_pages, v_pages]
+    item_rows = _item_rows(items, work, page_indices, num_kv_heads=Hkv,
+                           num_splits=cfg.num_splits, block_kv=bk, page_size=page_size,
+                           sliding_window=sliding_window)
+    args = [item_rows, counts, page_indices, q_tiles, k_pages, v_pages]
     if sinks_rows is not None:
         args.append(sinks_rows)
     results = plgpu.kernel(
