@@ -32,11 +32,14 @@ class DecoderLayer(nnx.Module):
 
     def fold_norms(self):
         """Folds the norms into the float projections they feed (`RMSNorm.fold_into`): the
-        input norm into q/k/v, the post-attention norm into a dense MLP's gate/up (an MoE
-        block's router and experts keep theirs)."""
+        input norm into q/k/v, the post-attention norm into a dense MLP's gate/up, or into
+        an MoE block's router (`MoE.fold_norm_into_router`; its experts still read the
+        normalised input)."""
         self.input_norm.fold_into(self.attn.projections())
         if isinstance(self.mlp, MLP):
             self.post_attn_norm.fold_into(self.mlp.projections())
+        else:
+            self.mlp.fold_norm_into_router(self.post_attn_norm)
 
     def __call__(self, x, positions, kv_pages, md):
         x_in, row_scale = self.input_norm.prepare(x)
@@ -44,7 +47,9 @@ class DecoderLayer(nnx.Module):
         x = x + h
         if isinstance(self.mlp, MoE):  # padding tokens must not route to experts
             live = jnp.arange(x.shape[0]) < md.cu_q_lens[md.num_seqs[0]]
-            x = x + self.mlp(self.post_attn_norm(x), live)
+            inv_rms = self.post_attn_norm.inv_rms(x)
+            x_in = self.post_attn_norm.scaled(x, inv_rms)
+            x = x + self.mlp(x_in, live, raw=(x, inv_rms))
         else:
             x_in, row_scale = self.post_attn_norm.prepare(x)
             x = x + self.mlp(x_in, row_scale)

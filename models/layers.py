@@ -238,10 +238,12 @@ class RMSNorm(nnx.Module):
         or (x, 1 / rms(x)) once the scale is folded into their weights."""
         return (x, self.inv_rms(x)) if self.folded else (self(x), None)
 
-    def fold_into(self, layers: list[Linear]):
+    def fold_into(self, layers: list[Linear], keep_norm: bool = False) -> bool:
         """Multiplies the scale into the input columns of every layer's weight, in place, so
         that linear(x, W * scale, row_scale=1 / rms(x)) = linear(norm(x), W). Only when all
-        are float (a quantized weight keeps its values); the runner calls it once.
+        are float (a quantized weight keeps its values); the runner calls it once. Returns
+        whether it folded. keep_norm: the norm's own output is still read elsewhere (an
+        MoE block's experts), so the norm keeps its scale and stays callable.
 
         Why: at batch 1 the normalised activations cost a kernel of their own before each
         projection (a reduce, then a multiply); with the scale in the weight, XLA fuses the
@@ -250,12 +252,13 @@ class RMSNorm(nnx.Module):
         W * scale where HF rounds scale * normalised x: as accurate, not bit-identical.
         """
         if self.folded or any(lay.quantized or lay.weight[...].ndim != 2 for lay in layers):
-            return
+            return False
         scale = self.scale[...]
         for lay in layers:
             w = lay.weight[...]
             lay.weight = nnx.Param(_scale_columns(w, scale, w.sharding), axes=lay.axes)
-        self.folded = True
+        self.folded = not keep_norm
+        return True
 
 
 @functools.partial(jax.jit, static_argnums=2)

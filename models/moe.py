@@ -19,6 +19,8 @@ shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight [1, H].
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -27,7 +29,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.grouped_matmul import RowGroups, grouped_matmul
-from jaxinfer.models.layers import MLP, Linear
+from jaxinfer.models.layers import MLP, Linear, RMSNorm
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 
@@ -71,16 +73,22 @@ class ExpertLinear(Linear):
 RANK_TOP_K_MAX = 1 << 18
 
 
-def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, k: int, norm_topk_prob: bool,
+          logit_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] float32 -> (weights [T, k] float32, experts [T, k] int32), the
     largest logit first; of equal logits the lower expert first, as `lax.top_k`.
 
     norm_topk_prob: the weights are a softmax over the k largest logits (equal to the full
     softmax's top k renormalised); else the full softmax's top-k entries as they are.
+    logit_scale [T, 1] float32 > 0: the logits are `logits * logit_scale` (a router that
+    holds its norm's scale: `MoE.router_folded`); the top k are picked on the unscaled
+    ones, which rank the same.
 
     Few tokens (decode): each expert's rank (how many experts come before it) as one
     compare-sum over [T, E, E], then the k first by rank as one more; XLA's top-k sorts
-    each row, a kernel of ~3.5 us at one token, and these two take about 1 us each.
+    each row, a kernel of ~3.5 us at one token, and these two take about 1 us each. The
+    softmax over the k is elementwise (its sum written out as k - 1 adds), so XLA fuses
+    it into the kernels that read the weights instead of running a reduction of its own.
     """
     T, E = logits.shape
     if T * E * E <= RANK_TOP_K_MAX:
@@ -93,10 +101,13 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, j
         top_logits = jnp.sum(jnp.where(slot, logits[:, None, :], 0.0), axis=2)
     else:
         top_logits, experts = jax.lax.top_k(logits, k)
+    scale = 1.0 if logit_scale is None else logit_scale
     if norm_topk_prob:
-        weights = jax.nn.softmax(top_logits, axis=-1)
+        exps = jnp.exp((top_logits - top_logits[:, :1]) * scale)  # the first is the largest
+        weights = exps / functools.reduce(operator.add, [exps[:, i:i + 1] for i in range(k)])
     else:
-        weights = jnp.exp(top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+        scaled = logits * scale
+        weights = jnp.exp(top_logits * scale - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
     return weights, experts.astype(jnp.int32)
 
 
@@ -143,9 +154,23 @@ class MoE(nnx.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
         self.config = c
+        self.router_folded = False  # static: see fold_norm_into_router
 
-    def __call__(self, x, live=None):
-        """x [T, H], live [T] bool (None: all) -> [T, H].
+    def fold_norm_into_router(self, norm: RMSNorm):
+        """Multiplies the norm's scale into the router's input columns, in place, when the
+        router is float and has no bias; the block then routes the un-normalised input
+        (`raw`), its logits scaled by 1 / rms in `route`. The runner calls it once.
+
+        Why: the normalised input then has one reader left, the gather of the experts'
+        rows, and XLA computes it inside that gather: one kernel fewer per layer at
+        decode. (A router bias would not commute with the scale.)"""
+        if self.router_folded or self.router.bias is not None:
+            return
+        self.router_folded = norm.fold_into([self.router], keep_norm=True)
+
+    def __call__(self, x, live=None, raw=None):
+        """x [T, H] (normalised), live [T] bool (None: all), raw: (the input before the
+        norm [T, H], its inv_rms [T, 1] float32), needed once `router_folded` -> [T, H].
 
         Padding tokens (not `live`) are routed nowhere: their pairs sort last, past every
         group, so they make no expert's weights read (a padded decode batch of one token
@@ -155,8 +180,12 @@ class MoE(nnx.Module):
         its columns of their MLPs (tp), and one psum over both axes combines.
         """
         c = self.config
-        weights, experts = route(self.router(x).astype(jnp.float32), c.num_experts_per_tok,
-                                 c.norm_topk_prob)
+        if self.router_folded:
+            x_raw, inv_rms = raw
+            logits, logit_scale = self.router(x_raw).astype(jnp.float32), inv_rms
+        else:
+            logits, logit_scale = self.router(x).astype(jnp.float32), None
+        weights, experts = route(logits, c.num_experts_per_tok, c.norm_topk_prob, logit_scale)
         if live is not None:
             experts = jnp.where(live[:, None], experts, c.num_experts)
         graphdef, state = nnx.split(self.experts)

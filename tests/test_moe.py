@@ -9,6 +9,7 @@ dequantizes them on the CPU by its own code, so the two sides share nothing but 
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -111,22 +112,27 @@ def test_quantized_experts_stay_close_to_float(hf_models, tmp_path, fmt, toleran
 @pytest.mark.parametrize("shape,k", [((5, 8), 3), ((16, 128), 8)])
 def test_router_weightings(monkeypatch, ranks, shape, k):
     """Both ways to the top k (ranks at decode sizes, `lax.top_k` beyond) against a float64
-    oracle, on random logits and on small integers (many ties: the lower expert first)."""
+    oracle, on random logits and on small integers (many ties: the lower expert first),
+    each also with a per-token logit scale (a router holding its norm's scale)."""
     import jaxinfer.models.moe as moe
 
     monkeypatch.setattr(moe, "RANK_TOP_K_MAX", 1 << 30 if ranks else 0)
     key = jax.random.key(np.random.randint(1 << 30))
     tied = jax.random.randint(key, shape, -2, 3).astype(jnp.float32)
-    for logits in (jax.random.normal(key, shape), tied):
+    scale = jnp.exp(jax.random.normal(jax.random.fold_in(key, 1), (shape[0], 1)))
+    for logits, logit_scale in itertools.product((jax.random.normal(key, shape), tied),
+                                                 (None, scale)):
         x = np.asarray(logits, np.float64)
+        if logit_scale is not None:
+            x = x * np.asarray(logit_scale, np.float64)
         top = np.argsort(-x, axis=1, kind="stable")[:, :k]
         full = np.exp(x - x.max(1, keepdims=True))
         full /= full.sum(1, keepdims=True)
         chosen = np.take_along_axis(full, top, 1)
         for norm, want in [(True, chosen / chosen.sum(1, keepdims=True)), (False, chosen)]:
-            weights, experts = route(logits, k, norm)
+            weights, experts = route(logits, k, norm, logit_scale)
             np.testing.assert_array_equal(np.asarray(experts), top)
-            np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
+            np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-5)
     assert route(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32), 3, True)[0].dtype \
         == jnp.float32
 
