@@ -91,9 +91,11 @@ def sweep_configs(x, w):
                    dict(compute_wgs=3 - base.compute_wgs), dict(k_pieces=3 - base.k_pieces),
                    dict(num_stages=max(2, base.num_stages - 2))):
         cfg = dataclasses.replace(base, **change)
+        if not 8 <= cfg.max_rows <= 256:  # (no B width to run)
+            continue
         while mgm.smem_bytes(cfg) > mgm.SMEM_BYTES and cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
-        if (8 <= cfg.max_rows <= 256 and cfg.max_width <= 256 and cfg.last_extra % 8 == 0
+        if (cfg.max_width <= 256 and cfg.last_extra % 8 == 0
                 and cfg.last_extra < cfg.max_rows and n % cfg.block_n == 0
                 and k % (64 * cfg.k_pieces) == 0 and cfg not in out):
             out.append(cfg)
