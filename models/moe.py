@@ -87,8 +87,9 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool,
     Few tokens (decode): each expert's rank (how many experts come before it) as one
     compare-sum over [T, E, E], then the k first by rank as one more; XLA's top-k sorts
     each row, a kernel of ~3.5 us at one token, and these two take about 1 us each. The
-    softmax over the k is elementwise (its sum written out as k - 1 adds), so XLA fuses
-    it into the kernels that read the weights instead of running a reduction of its own.
+    softmax over the k is elementwise (its sum written out as k - 1 adds): XLA runs it in
+    one small kernel with the padding mask that follows (1.2 us at one token, where the
+    softmax's reduction took 1.6 alone; bench/NOTES.md, MoE end to end v4).
     """
     T, E = logits.shape
     if T * E * E <= RANK_TOP_K_MAX:
@@ -181,6 +182,9 @@ class MoE(nnx.Module):
         """
         c = self.config
         if self.router_folded:
+            if raw is None:
+                raise ValueError("MoE: the router holds the norm's scale "
+                                 "(fold_norm_into_router); pass raw=(x, inv_rms)")
             x_raw, inv_rms = raw
             logits, logit_scale = self.router(x_raw).astype(jnp.float32), inv_rms
         else:
