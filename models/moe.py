@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.grouped_matmul import RowGroups, grouped_matmul
+from jaxinfer.grouped_matmul import RowGroups, grouped_matmul, swiglu_halves
 from jaxinfer.models.layers import MLP, Linear, RMSNorm
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
@@ -123,18 +123,19 @@ class Experts(nnx.Module):
         self.config = c
 
     def activation(self, gate_up):
-        """[M, 2I] (gate | up) -> [M, I]."""
+        """[M, 2I] (gate | up, with the biases added) -> [M, I]."""
         c = self.config
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        if c.activation == "gpt_oss":  # computed in the activation dtype, as HF does
-            gate = jnp.minimum(gate, c.swiglu_limit)
-            up = jnp.clip(up, -c.swiglu_limit, c.swiglu_limit)
-            return (up + 1) * (gate * jax.nn.sigmoid(gate * c.swiglu_alpha))
-        return jax.nn.silu(gate) * up
+        if c.activation != "gpt_oss":
+            return swiglu_halves(gate_up, gate_up.dtype)
+        gate, up = jnp.split(gate_up, 2, axis=-1)  # computed in the activation dtype, as HF
+        gate = jnp.minimum(gate, c.swiglu_limit)
+        up = jnp.clip(up, -c.swiglu_limit, c.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * c.swiglu_alpha))
 
     def __call__(self, x_sorted, rows: SortedRows):
         if self.config.activation == "silu" and self.gate_up_proj.bias is None:
-            # The grouped matmul applies silu(gate) * up itself (in its epilogue, on GPU).
+            # The grouped matmul applies silu(gate) * up itself (in its epilogue, on GPU);
+            # with biases they must come first, so the activation runs after it.
             return self.down_proj(self.gate_up_proj(x_sorted, rows, swiglu=True), rows)
         h = self.gate_up_proj(x_sorted, rows)
         return self.down_proj(self.activation(h), rows)
