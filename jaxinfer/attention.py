@@ -50,6 +50,8 @@ class AttentionMetadata:
 
     zero_tails (static): whether `write_kv_pages` zeroes each sequence's last-page tail;
     False inside a multi-step decode, whose slots `zero_decode_slots` zeroed up front.
+    scratch_page (static): the pages' last page is a scratch page that no sequence reads
+    (the runner's), where `write_kv_pages` may put a padding token's k/v.
     """
 
     cu_q_lens: jax.Array
@@ -57,6 +59,7 @@ class AttentionMetadata:
     page_indices: jax.Array
     num_seqs: jax.Array
     zero_tails: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    scratch_page: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 FP8_KV_DTYPE = jnp.float8_e4m3fn
@@ -84,10 +87,20 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
     token_seq, token_pos, valid = token_positions(md, k.shape[0])
     page_size = k_pages.shape[1]
     page = md.page_indices[token_seq, token_pos // page_size]
-    page = jnp.where(valid, page, k_pages.shape[0])  # out of range: dropped below
     slot = token_pos % page_size
-    k_pages = k_pages.at[page, slot].set(quantize_kv(k, k_pages.dtype, k_scale), mode="drop")
-    v_pages = v_pages.at[page, slot].set(quantize_kv(v, v_pages.dtype, v_scale), mode="drop")
+    k_new, v_new = quantize_kv(k, k_pages.dtype, k_scale), quantize_kv(v, v_pages.dtype, v_scale)
+    if k.shape[0] == 1 and md.scratch_page:
+        # One token (batch-1 decode): a dynamic_update_slice, which XLA runs in place with
+        # the row computed inside it; a padding token writes the scratch page. (A one-row
+        # scatter that must drop an out-of-range row became a kernel that read the old row
+        # for a select, then the write: bench/NOTES.md, MoE end to end v5.)
+        page = jnp.where(valid, page, k_pages.shape[0] - 1)[0]
+        k_pages = jax.lax.dynamic_update_slice(k_pages, k_new[None], (page, slot[0], 0, 0))
+        v_pages = jax.lax.dynamic_update_slice(v_pages, v_new[None], (page, slot[0], 0, 0))
+    else:
+        page = jnp.where(valid, page, k_pages.shape[0])  # out of range: dropped below
+        k_pages = k_pages.at[page, slot].set(k_new, mode="drop")
+        v_pages = v_pages.at[page, slot].set(v_new, mode="drop")
     if not md.zero_tails:
         return k_pages, v_pages
     ps = k_pages.shape[1]  # kv_len .. the end of its page

@@ -6,9 +6,11 @@
   w            [E, N, K]  float expert weights (K-major, like `jaxinfer.linear`), or a
                           stacked `QuantizedWeight` (values [E, N, K], scales [E, K // g, N])
   group_sizes  [E]        int32, >= 0, summing to at most M (dynamic: shapes stay static)
-  row_groups   RowGroups  optional: each row's group and the group's span, which an MoE
-                          layer knows from its sort; a kernel that walks rows then need
-                          not derive them from group_sizes
+  row_groups   RowGroups  optional: each row's group and a span of that group's rows
+                          around it, which an MoE layer knows from its sort; a kernel that
+                          walks rows then need not derive them from group_sizes
+  rows_sorted  bool       False: the rows are not in group order (then row_groups is
+                          required; see `RowGroups`)
   swiglu       bool       w holds each expert's gate rows, then its up rows (N = 2 N'):
                           y = silu(x W_gate^T) * (x W_up^T) [M, N'], from the float32
                           products (the Mosaic kernel does it in its epilogue at decode
@@ -38,8 +40,15 @@ ExpertWeights = jax.Array | QuantizedWeight
 
 
 class RowGroups(NamedTuple):
-    """For each of the M rows, [M] int32 each: its group (E for the rows past
-    sum(group_sizes)), and that group's first row and one past its last."""
+    """For each of the M rows, [M] int32 each: its group (E: a row of no group, whose
+    output is zero), and the span [start, end) of rows of that group it belongs to.
+
+    Spans are what the Mosaic kernel computes together (one read of the group's weights
+    per span). Usually each group is one span and the rows are sorted by group; with
+    `grouped_matmul(..., rows_sorted=False)` a group may have several spans, in any order
+    (one decode token's k rows, each its own span, in the router's order:
+    `jaxinfer.models.moe`), and implementations that read the rows in group order get
+    them sorted first."""
     group: jax.Array
     start: jax.Array
     end: jax.Array
@@ -81,7 +90,7 @@ def check_shapes(x, w: ExpertWeights, group_sizes, swiglu: bool = False):
 
 def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
                    row_groups: RowGroups | None = None, swiglu: bool = False,
-                   implementation: str | None = None) -> jax.Array:
+                   rows_sorted: bool = True, implementation: str | None = None) -> jax.Array:
     """x [M, K], w [E, N, K], group_sizes [E] -> [M, N], or [M, N / 2] with swiglu (see
     the module docstring).
 
@@ -90,20 +99,37 @@ def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
     does not take.
     """
     check_shapes(x, w, group_sizes, swiglu)
+    if not rows_sorted and row_groups is None:
+        raise ValueError("grouped_matmul: rows_sorted=False needs row_groups")
+    unsorted = None if rows_sorted else row_groups  # what in_group_order must sort by
     impl = implementation or default_implementation()
     if impl == "mosaic_gpu":
         from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu, unsupported_reason
         if implementation is None and unsupported_reason(x, w) is not None:
             impl = "reference"
         else:
-            return grouped_matmul_mgpu(x, w, group_sizes, row_groups, swiglu=swiglu)
+            return grouped_matmul_mgpu(x, w, group_sizes, row_groups, swiglu=swiglu,
+                                       rows_sorted=rows_sorted)
     if impl == "pallas_tpu":
         from jaxinfer.pallas_kernels.grouped_matmul import grouped_matmul_tpu, unsupported_reason
         if implementation is None and unsupported_reason(x, w) is not None:
             impl = "reference"
         else:
-            y = grouped_matmul_tpu(x, w, group_sizes)
-            return swiglu_halves(y, x.dtype) if swiglu else y
+            def tpu(x):
+                y = grouped_matmul_tpu(x, w, group_sizes)
+                return swiglu_halves(y, x.dtype) if swiglu else y
+            return in_group_order(tpu, x, unsorted)
     if impl == "reference":
-        return grouped_matmul_reference(x, w, group_sizes, swiglu=swiglu)
+        return in_group_order(lambda x: grouped_matmul_reference(x, w, group_sizes,
+                                                                 swiglu=swiglu), x, unsorted)
     raise ValueError(f"grouped_matmul implementation {impl!r}: expected one of {IMPLEMENTATIONS}")
+
+
+def in_group_order(fn, x: jax.Array, row_groups: RowGroups | None) -> jax.Array:
+    """fn(x's rows sorted by group) with its rows put back in x's order; fn(x) when
+    row_groups is None (the rows are in group order already)."""
+    if row_groups is None:
+        return fn(x)
+    order = jnp.argsort(row_groups.group, stable=True)  # rows of no group (E) last
+    y = fn(x[order])
+    return jnp.zeros_like(y).at[order].set(y, unique_indices=True)

@@ -2,7 +2,8 @@
 
 Weights are stored (N, K) = (out_features, in_features), K-major: the layout of
 HF checkpoints, and the one 8-bit tensor-core operands need (they cannot be
-transposed on the fly). A float W is one XLA dot; a `QuantizedWeight` (int8 /
+transposed on the fly). A float W is one XLA dot (a multiply and a row reduction
+when x is one row, see `linear`); a `QuantizedWeight` (int8 /
 int4 / fp8 values with per-group scales, see `jaxinfer.quant`) goes to
 `quantized_matmul`, which picks the kernel for the device.
 """
@@ -12,6 +13,10 @@ import jax.numpy as jnp
 
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.quantized_matmul import quantized_matmul
+
+# One-row products over at least this many input features are a multiply-reduce
+# (`linear`); below it XLA's dot was faster (SmolLM2's head, K = 576: 16.2 us against 18.1).
+ONE_ROW_REDUCE_MIN_K = 1024
 
 
 def linear(x: jax.Array, weight: jax.Array | QuantizedWeight,
@@ -29,6 +34,14 @@ def linear(x: jax.Array, weight: jax.Array | QuantizedWeight,
     """
     if isinstance(weight, QuantizedWeight):
         y = quantized_matmul(x, weight)
+    elif x.size == x.shape[-1] and x.shape[-1] >= ONE_ROW_REDUCE_MIN_K:
+        # One row (batch-1 decode): a multiply and a row reduction over K, which XLA runs
+        # with its reduction emitter in one pass over W, at 4.0-4.6 TB/s on an H200 for
+        # every Qwen3 / Llama-3 projection and head tried. As a dot, XLA's autotuner picks
+        # cuBLAS or a Triton GEMM anew at each compilation, timing them with W in L2:
+        # 1.1-2.5x slower from HBM (bench/NOTES.md, linear v2).
+        w = weight.astype(x.dtype).astype(jnp.float32)  # the dot's operands, exactly
+        y = jnp.sum(x.astype(jnp.float32)[..., None, :] * w, axis=-1)
     else:
         y = jax.lax.dot_general(
             x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),

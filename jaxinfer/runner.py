@@ -253,7 +253,7 @@ class ModelRunner:
             t += n
         cu_q_lens[len(chunks) + 1:] = t
         md = AttentionMetadata(cu_q_lens=cu_q_lens, kv_lens=kv_lens, page_indices=page_indices,
-                               num_seqs=np.array([len(chunks)], np.int32))
+                               num_seqs=np.array([len(chunks)], np.int32), scratch_page=True)
         sampling = SamplingTensors.build([c.params for c in chunks], [c.seed for c in chunks],
                                          [c.step for c in chunks], S)
         return StepInputs(token_ids, positions, md, logits_indices, sampling, history,

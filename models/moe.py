@@ -3,8 +3,9 @@
 Per layer, for T tokens x [T, H], E experts, top-k routing:
   1. route: router logits [T, E] (float32) -> the k experts of each token and their
      weights [T, k] (softmax over the chosen k, or the top-k of the full softmax);
-  2. sort the T*k (token, expert) pairs by expert once; gather the rows x_sorted [T*k, H]
-     and count group_sizes [E];
+  2. sort the T*k (token, expert) pairs by expert once (not at one token: its k experts
+     differ, and each row is a group of its own); gather the rows x_rows [T*k, H] and
+     count group_sizes [E];
   3. one `grouped_matmul` per projection over all experts: gate_up [E, 2I, H] (the gate
      rows, then the up rows) -> [T*k, 2I]; the activation (silu(gate) * up inside the
      gate_up call, `swiglu=True`); down [E, H, I] -> [T*k, H];
@@ -33,13 +34,14 @@ from jaxinfer.models.layers import MLP, Linear, RMSNorm
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 
-class SortedRows(NamedTuple):
-    """The grouped matmuls' rows, sorted by expert: group_sizes [L] int32, expert [M] int32
-    (each row's expert; L past the groups), and groups, each row's group span
-    (`RowGroups`) where the sort gave it (decode steps), else None."""
+class ExpertRows(NamedTuple):
+    """The grouped matmuls' rows: group_sizes [L] int32, expert [M] int32 (each row's
+    expert; L: none), groups, each row's group span (`RowGroups`) where the sort gave it
+    (decode steps), else None, and whether the rows are sorted by expert (static)."""
     group_sizes: jax.Array
     expert: jax.Array
     groups: RowGroups | None
+    sorted: bool = True
 
 
 class ExpertLinear(Linear):
@@ -52,20 +54,20 @@ class ExpertLinear(Linear):
                          dtype=dtype, rngs=rngs, num_experts=num_experts)
         self.in_features = in_features
 
-    def __call__(self, x_sorted, rows: SortedRows, swiglu: bool = False):
-        """x_sorted [M, in] (rows grouped by expert, as `rows` says) -> [M, out], or with
+    def __call__(self, x_rows, rows: ExpertRows, swiglu: bool = False):
+        """x_rows [M, in] (each row's expert as `rows` says) -> [M, out], or with
         swiglu (no bias) silu(gate) * up [M, out / 2] of the gate and up halves. On a mesh
         this runs per device on its shards (see `MoE`): when `in` is split the rows are
         partial sums, and only the first shard adds the bias."""
         w = self.quantized_weight() if self.quantized else self.weight[...]
-        y = grouped_matmul(x_sorted, w, rows.group_sizes, row_groups=rows.groups,
-                           swiglu=swiglu)
+        y = grouped_matmul(x_rows, w, rows.group_sizes, row_groups=rows.groups,
+                           swiglu=swiglu, rows_sorted=rows.sorted)
         if self.bias is not None:
             e = self.bias.shape[0]
             bias = self.bias[...][jnp.minimum(rows.expert, e - 1)].astype(jnp.float32)
-            if x_sorted.shape[1] != self.in_features:
+            if x_rows.shape[1] != self.in_features:
                 bias = jnp.where(shard_index(self.axes[-1]) == 0, bias, 0.0)
-            y = (y.astype(jnp.float32) + bias).astype(x_sorted.dtype)
+            y = (y.astype(jnp.float32) + bias).astype(x_rows.dtype)
         return y
 
 
@@ -132,12 +134,12 @@ class Experts(nnx.Module):
         up = jnp.clip(up, -c.swiglu_limit, c.swiglu_limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * c.swiglu_alpha))
 
-    def __call__(self, x_sorted, rows: SortedRows):
+    def __call__(self, x_rows, rows: ExpertRows):
         if self.config.activation == "silu" and self.gate_up_proj.bias is None:
             # The grouped matmul applies silu(gate) * up itself (in its epilogue, on GPU);
             # with biases they must come first, so the activation runs after it.
-            return self.down_proj(self.gate_up_proj(x_sorted, rows, swiglu=True), rows)
-        h = self.gate_up_proj(x_sorted, rows)
+            return self.down_proj(self.gate_up_proj(x_rows, rows, swiglu=True), rows)
+        h = self.gate_up_proj(x_rows, rows)
         return self.down_proj(self.activation(h), rows)
 
 
@@ -218,15 +220,23 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     local = expert_ids - shard_index("experts") * num_local
     valid = (local >= 0) & (local < num_local)
     local = jnp.where(valid, local, num_local).reshape(-1)
-    order, sorted_local, pair_row, row_groups = _sort_pairs(local, num_local)
+    if T == 1:
+        # One token (batch-1 decode): its k experts differ, so each pair is a group of one
+        # row, and the rows stay in the router's order (the grouped matmul takes groups in
+        # any order): the sort's two kernels a layer go.
+        order = pair_row = jnp.arange(k, dtype=jnp.int32)
+        row_local, row_groups, rows_sorted = local, RowGroups(local, order, order + 1), False
+    else:
+        order, row_local, pair_row, row_groups = _sort_pairs(local, num_local)
+        rows_sorted = True
     # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
     group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
                           dtype=jnp.int32)
-    rows = SortedRows(group_sizes, sorted_local, row_groups)
-    y_sorted = experts(x[order // k], rows)
+    rows = ExpertRows(group_sizes, row_local, row_groups, rows_sorted)
+    y_rows = experts(x[order // k], rows)
     # Combine: each token sums its k rows times their router weights (a gather, which XLA
     # fuses into the residual add; pairs routed elsewhere carry weight 0).
-    token_rows = y_sorted[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
+    token_rows = y_rows[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
     out = jnp.einsum("tk,tkh->th", jnp.where(valid, weights, 0.0), token_rows)
     return reduce_over(("experts", "mlp"), out)
 

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.backend import mosaic_interpret_params
-from jaxinfer.grouped_matmul import RowGroups, swiglu_halves
+from jaxinfer.grouped_matmul import RowGroups, in_group_order, swiglu_halves
 from jaxinfer.quant import QuantizedWeight
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
@@ -446,12 +446,13 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
 
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
-@functools.partial(jax.jit, static_argnames=("swiglu", "config"))
+@functools.partial(jax.jit, static_argnames=("swiglu", "rows_sorted", "config"))
 def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                         row_groups: RowGroups | None = None, *, swiglu: bool = False,
-                        config: Config | None = None) -> jax.Array:
+                        rows_sorted: bool = True, config: Config | None = None) -> jax.Array:
     """x [M, K], W [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
-    row_groups: the per-row table (`build_row_items`), if the caller has it. swiglu: W
+    row_groups: the per-row table (`build_row_items`), if the caller has it; rows_sorted
+    False: the rows are not in group order (`RowGroups`). swiglu: W
     holds gate rows, then up rows -> silu(gate) * up [M, N / 2]; fused into the kernel's
     epilogue on the per-row path (decode), applied after the kernel otherwise (the two
     [64, width] accumulators of a prefill tile would not fit the registers)."""
@@ -462,7 +463,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     interpret = mosaic_interpret_params()
     cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS,
                                   swiglu)
-    fused = swiglu and row_items(m, e, cfg)
+    # (gate and up blocks of block_n rows each: N / 2 must hold whole blocks)
+    fused = swiglu and row_items(m, e, cfg) and (n // 2) % cfg.block_n == 0
     halves = 2 if fused else 1
     # A consumer hands a slot back only after issuing the next step: two slots at least.
     if (cfg.max_rows not in (8, 16, 32, 64, 128, 256) or cfg.compute_wgs not in (1, 2)
@@ -480,6 +482,12 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     # Every token window lies inside x, in whole 8-row tiles.
     padded_m = max(-(-m // MIN_WIDTH) * MIN_WIDTH, cfg.max_width)
     x_in = jnp.pad(x, ((0, padded_m - m), (0, 0))) if padded_m > m else x
+    if not rows_sorted and row_groups is None:
+        raise ValueError("mosaic grouped matmul: rows_sorted=False needs row_groups")
+    if not rows_sorted and not row_items(m, e, cfg):
+        # The item table walks the rows in group order.
+        return in_group_order(lambda x: grouped_matmul_mgpu(x, w, group_sizes, swiglu=swiglu,
+                                                            config=config), x, row_groups)
     if row_items(m, e, cfg):
         items = build_row_items(group_sizes, m) if row_groups is None else row_groups
         row_blocks = n_blocks

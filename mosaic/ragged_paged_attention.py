@@ -318,7 +318,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
             h, entry, split, _, num_tokens, pos0, kv_len, lo, steps = item(j)
             wg_first = jnp.minimum(wg * tokens_per_wg, num_tokens)  # token offset in the block
             wg_tokens = jnp.clip(num_tokens - wg * tokens_per_wg, 0, tokens_per_wg)
-            plgpu.barrier_wait(q_ready.at[wg])
+            with jax.named_scope("wait_q"):
+                plgpu.barrier_wait(q_ready.at[wg])
             m_i = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), row_layout)
             l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
             acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
@@ -330,7 +331,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                 acc, m_i, l_i = carry
                 slot = lax.rem(t0 + i, jnp.int32(stages))
                 block = lo + i
-                plgpu.barrier_wait(k_ready.at[slot])
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_ready.at[slot])
                 k_tile = k_smem.at[slot]
                 if fp8:
                     upcast(k_tile, k16_smem.at[wg])
@@ -339,7 +341,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_tile.transpose((1, 0)))
                     return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+                with jax.named_scope("qk"):
+                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if soft_cap is not None:
                     s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
@@ -373,7 +376,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                     return acc_ref[...]
                 # A fresh accumulator plus an add (rather than accumulating into acc in
                 # place): same cost, and it also runs in interpret mode.
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+                with jax.named_scope("pv"):
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
@@ -442,7 +446,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
         @pl.when(num_items == 0)
         def _():
             plgpu.barrier_wait(q_ready.at[wg])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("wait_stores"):
+            plgpu.wait_smem_to_gmem(0)
 
 
 def _tile_rows(work, group: int, cfg: Config):

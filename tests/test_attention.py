@@ -214,6 +214,41 @@ def test_backend_choice_and_kernel_limits():
                                sm_scale=0.125, implementation="mosaic_gpu")
 
 
+@pytest.mark.parametrize("live", [True, False])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.float8_e4m3fn])
+def test_one_token_write_into_pages_with_a_scratch_page(live, kv_dtype):
+    """A one-token step whose pages end with a scratch page (md.scratch_page, the runner's)
+    writes with a dynamic_update_slice: a live token's k/v land in its slot (quantised as
+    the scatter path does), a padding token's in the scratch page; no other row changes."""
+    from jaxinfer.attention import FP8_KV_DTYPE, quantize_kv, write_kv_pages
+
+    rng = np.random.default_rng()
+    num_pages, ps, hkv, d = 9, 8, 2, 16
+    scale = 0.5 if kv_dtype == FP8_KV_DTYPE else None
+    pages = np.array([[6, 2, 4], [1, 3, 5]], np.int32)
+    kv_len = int(rng.integers(1, 3 * ps + 1))  # after this token
+    md = AttentionMetadata(cu_q_lens=jnp.array([0, 1, 1]), kv_lens=jnp.array([kv_len, 0]),
+                           page_indices=jnp.asarray(pages),
+                           num_seqs=jnp.array([1 if live else 0]), zero_tails=False,
+                           scratch_page=True)
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)),
+                                    jnp.float32).astype(kv_dtype) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((1, hkv, d)) * 3, jnp.float32) for _ in range(2))
+    got_k, got_v = jax.jit(functools.partial(write_kv_pages, k_scale=scale, v_scale=scale))(
+        k, v, k_pages, v_pages, md)
+    pos = kv_len - 1
+    page, slot = (pages[0, pos // ps], pos % ps) if live else (num_pages - 1, None)
+    for got, new, old in ((got_k, k, k_pages), (got_v, v, v_pages)):
+        got, old = np.array(got.astype(jnp.float32)), np.asarray(old.astype(jnp.float32))
+        want = old.copy()
+        if live:
+            want[page, slot] = np.asarray(quantize_kv(new[0], kv_dtype, scale)
+                                          .astype(jnp.float32))
+        else:  # only the scratch page may change
+            want[page], got[page] = 0, 0
+        np.testing.assert_array_equal(got, want)
+
+
 def test_multi_step_decode_pages_stay_finite_without_per_step_tail_zeroing():
     """A multi-step decode zeroes its slots once (`zero_decode_slots`) and its steps' writes
     skip the tail zeroing (md.zero_tails=False): at every step each page a sequence reads

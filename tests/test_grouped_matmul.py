@@ -92,6 +92,48 @@ def test_swiglu_matches_oracle(name, implementation, platform):
     assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
 
 
+UNSORTED_CASES = ["bf16_decode", "bf16_m1", "bf16_random", "bf16_partial", "int8_decode"]
+
+
+@pytest.mark.parametrize("implementation,platform", BACKENDS)
+@pytest.mark.parametrize("name", UNSORTED_CASES)
+def test_unsorted_rows_match_oracle(name, implementation, platform):
+    """rows_sorted=False: a case's rows shuffled, each its own group span (as one decode
+    token's k rows), rows of no group among them; each output row must be its own row's
+    product (the Mosaic kernel walks the spans; the others, and the Mosaic item table for
+    bf16_random's 100 rows, sort the rows first)."""
+    from jaxinfer.grouped_matmul import RowGroups
+
+    case = CASES[name]
+    b = build(case)
+    rng = np.random.default_rng()
+    perm = rng.permutation(case.m)
+    group = np.repeat(np.arange(case.e + 1), np.append(b["sizes"], case.m - b["sizes"].sum()))
+    rows = np.arange(case.m, dtype=np.int32)
+    with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
+        w = quantize(b["w"], case.fmt) if case.fmt else jnp.asarray(b["w"], case.dtype)
+        x = jnp.asarray(b["x"][perm], case.dtype)
+        if implementation != "reference" and importlib.import_module(
+                KERNEL_MODULES[implementation]).unsupported_reason(x, w) is not None:
+            implementation = None  # the default dispatch falls back (see `run`)
+        spans = RowGroups(jnp.asarray(group[perm], jnp.int32), jnp.asarray(rows),
+                          jnp.asarray(rows + 1))
+        y = jax.jit(functools.partial(grouped_matmul, rows_sorted=False,
+                                      implementation=implementation))(
+            x, w, jnp.asarray(b["sizes"]), row_groups=spans)
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
+    want, allowance = want[perm], allowance[perm]
+    assert np.isfinite(y).all(), "non-finite outputs (unwritten rows?)"
+    assert (y[group[perm] == case.e] == 0).all(), "rows of no group must be zero"
+    err = np.abs(y - want)
+    worst = np.unravel_index(np.argmax(err - allowance), err.shape)
+    assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
+    with pytest.raises(ValueError, match="rows_sorted=False needs row_groups"):
+        grouped_matmul(jnp.asarray(b["x"], case.dtype), w, jnp.asarray(b["sizes"]),
+                       rows_sorted=False, implementation=implementation)
+
+
 def test_group_sizes_of_every_kind_are_drawn():
     """The case generator itself: empty experts, one expert, a short total."""
     rng = np.random.default_rng()

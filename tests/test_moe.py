@@ -183,3 +183,37 @@ def test_padding_tokens_route_nowhere(monkeypatch):
     assert seen == [3 * config.num_experts_per_tok] * 2  # gate_up and down
     np.testing.assert_allclose(np.asarray(padded[:3]), np.asarray(layer(x[:3])), rtol=1e-6,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_one_token_rows_in_router_order_through_the_mosaic_kernel(monkeypatch, live):
+    """At one token the MoE block skips the pair sort: its k rows stay in the router's
+    order, each a group of its own (`rows_sorted=False`). Through the Mosaic grouped matmul
+    (interpret mode) the block matches the same block through jax's `ragged_dot` (the
+    reference, which gets the rows sorted); a padding token's output is zero."""
+    import dataclasses
+
+    from flax import nnx
+
+    import jaxinfer.models.moe as moe
+    from jaxinfer.presets import preset_config
+
+    config = dataclasses.replace(preset_config("tiny-moe"), moe_intermediate_size=64)
+    layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
+    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
+                          (1, config.hidden_size)).astype(jnp.bfloat16)
+    real, calls = moe.grouped_matmul, []
+
+    def through(implementation):
+        def call(x, w, sizes, **kw):
+            calls.append(kw["rows_sorted"])
+            return real(x, w, sizes, implementation=implementation, **kw)
+        monkeypatch.setattr(moe, "grouped_matmul", call)
+        return np.asarray(layer(x, jnp.array([live])).astype(jnp.float32))
+
+    want, got = through("reference"), through("mosaic_gpu")
+    assert calls == [False] * 4
+    assert np.isfinite(got).all()
+    if not live:
+        assert (got == 0).all() and (want == 0).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
