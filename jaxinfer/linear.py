@@ -36,10 +36,10 @@ def linear(x: jax.Array, weight: jax.Array | QuantizedWeight,
         y = quantized_matmul(x, weight)
     elif x.size == x.shape[-1] and x.shape[-1] >= ONE_ROW_REDUCE_MIN_K:
         # One row (batch-1 decode): a multiply and a row reduction over K, which XLA runs
-        # with its reduction emitter in one pass over W, at 4.0-4.6 TB/s on an H200 for
-        # every Qwen3 / Llama-3 projection and head tried. As a dot, XLA's autotuner picks
-        # cuBLAS or a Triton GEMM anew at each compilation, timing them with W in L2:
-        # 1.1-2.5x slower from HBM (bench/NOTES.md, linear v2).
+        # with its reduction emitter in one pass over W: 4.0-4.6 TB/s on an H200 for the
+        # Qwen3 / Llama-3 projections and heads of 16 MB or more. As a dot, XLA's
+        # autotuner picks cuBLAS or a Triton GEMM anew at each compilation, timing them
+        # with W in L2: from HBM up to 2.5x slower (bench/NOTES.md, linear v1).
         w = weight.astype(x.dtype).astype(jnp.float32)  # the dot's operands, exactly
         y = jnp.sum(x.astype(jnp.float32)[..., None, :] * w, axis=-1)
     else:
