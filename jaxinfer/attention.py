@@ -78,7 +78,8 @@ def quantize_kv(x, dtype, scale: float | None):
 
 def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
                    k_scale: float | None = None, v_scale: float | None = None):
-    """Scatters this step's k/v [T, Hkv, D] into the pages; padding tokens are dropped.
+    """Scatters this step's k/v [T, Hkv, D] into the pages; padding tokens are dropped (a
+    lone one, with md.scratch_page, lands in the scratch page instead).
 
     The slots past kv_len in each live sequence's last page are zeroed too (unless
     md.zero_tails is False: known zero already), so the pages a kernel reads whole always
