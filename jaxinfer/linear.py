@@ -30,7 +30,8 @@ def linear(x: jax.Array, weight: jax.Array | QuantizedWeight,
     (`RMSNorm.fold_into`). The product is then rounded to x.dtype before the scale (as a
     quantized product always is), because XLA does not fuse the scale into the GEMM: a
     float32 product would be written and read back in full (at 64 tokens the gate/up
-    product alone is 7.3 MB per layer; bench/NOTES.md, serving engine v5).
+    product alone is 7.3 MB per layer; bench/NOTES.md, serving engine v5). One float row
+    (K >= ONE_ROW_REDUCE_MIN_K) is a reduction, whose float32 product is scaled unrounded.
     """
     if isinstance(weight, QuantizedWeight):
         y = quantized_matmul(x, weight)
