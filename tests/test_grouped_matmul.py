@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from grouped_cases import CASES, Case, build, oracle, stored_weights
 
-from jaxinfer.grouped_matmul import grouped_matmul
+from jaxinfer.grouped_matmul import RowGroups, grouped_matmul
 from jaxinfer.quant import quantize
 
 gpu = pytest.mark.gpu
@@ -71,12 +71,23 @@ SWIGLU_CASES = ["bf16_decode", "bf16_m1", "bf16_random", "bf16_partial", "int8_d
 @pytest.mark.parametrize("implementation,platform", BACKENDS)
 @pytest.mark.parametrize("name", SWIGLU_CASES)
 def test_swiglu_matches_oracle(name, implementation, platform):
-    """silu(gate) * up of the two halves of N, against the float64 oracle's product: the
-    allowance carries the halves' own through silu' <= 1.1 and the product, plus the
-    output's rounding."""
+    """silu(gate) * up of the two halves of N, against the float64 oracle's product
+    (`swiglu_oracle`)."""
     case = CASES[name]
     b, w, y = run(case, implementation, platform, swiglu=True)
-    want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
+    want, allowance = swiglu_oracle(
+        case, *oracle(case, b["x"], stored_weights(case, w), b["sizes"]))
+    assert np.isfinite(y).all(), "non-finite outputs (unwritten rows?)"
+    assert (y[b["sizes"].sum():] == 0).all(), "rows past the groups must be zero"
+    err = np.abs(y - want)
+    worst = np.unravel_index(np.argmax(err - allowance), err.shape)
+    assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
+
+
+def swiglu_oracle(case: Case, want, allowance):
+    """The oracle's product [M, N] and allowance -> silu(gate) * up [M, N / 2] and its
+    allowance: the halves' own through silu' <= 1.1 and the product, plus the output's
+    rounding."""
     half = case.n // 2
     gate, up = want[:, :half], want[:, half:]
     a_gate, a_up = allowance[:, :half], allowance[:, half:]
@@ -85,11 +96,7 @@ def test_swiglu_matches_oracle(name, implementation, platform):
     allowance = 1.1 * np.abs(up) * a_gate + (np.abs(silu) + 1.1 * a_gate) * a_up
     if case.dtype != "float32":
         allowance += np.abs(want) * 2.0 ** -7
-    assert np.isfinite(y).all(), "non-finite outputs (unwritten rows?)"
-    assert (y[b["sizes"].sum():] == 0).all(), "rows past the groups must be zero"
-    err = np.abs(y - want)
-    worst = np.unravel_index(np.argmax(err - allowance), err.shape)
-    assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
+    return want, allowance
 
 
 UNSORTED_CASES = ["bf16_decode", "bf16_m1", "bf16_random", "bf16_partial", "int8_decode"]
@@ -102,8 +109,6 @@ def test_unsorted_rows_match_oracle(name, implementation, platform):
     token's k rows), rows of no group among them; each output row must be its own row's
     product (the Mosaic kernel walks the spans; the others, and the Mosaic item table for
     bf16_random's 100 rows, sort the rows first)."""
-    from jaxinfer.grouped_matmul import RowGroups
-
     case = CASES[name]
     b = build(case)
     rng = np.random.default_rng()
@@ -132,6 +137,52 @@ def test_unsorted_rows_match_oracle(name, implementation, platform):
     with pytest.raises(ValueError, match="rows_sorted=False needs row_groups"):
         grouped_matmul(jnp.asarray(b["x"], case.dtype), w, jnp.asarray(b["sizes"]),
                        rows_sorted=False, implementation=implementation)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("name", ["bf16_decode", "bf16_m1"])
+def test_few_unsorted_rows_reduce_by_row_on_the_gpu_default(name, swiglu, monkeypatch):
+    """The Mosaic GPU default for up to ROW_REDUCE_MAX_M unsorted rows (one decode
+    token's k rows): each row against its own group's weights (`grouped_matmul_rows`),
+    not the kernel (patched here to fail), against the oracle; rows shuffled, rows of no
+    group zero. The kernel still runs when forced."""
+    import jaxinfer.grouped_matmul as gm
+    from jaxinfer.mosaic import grouped_matmul as mosaic_module
+
+    def kernel_ran(*args, **kwargs):
+        raise AssertionError("the Mosaic kernel ran")
+    monkeypatch.setattr(gm, "default_implementation", lambda: "mosaic_gpu")
+    monkeypatch.setattr(mosaic_module, "grouped_matmul_mgpu", kernel_ran)
+    case = CASES[name]
+    assert case.m <= gm.ROW_REDUCE_MAX_M
+    b = build(case)
+    rng = np.random.default_rng()
+    perm = rng.permutation(case.m)
+    group = np.repeat(np.arange(case.e + 1), np.append(b["sizes"], case.m - b["sizes"].sum()))
+    group = group[perm]
+    if case.m > 1:
+        group[rng.integers(case.m)] = case.e  # a padding token's row, routed nowhere
+    rows = jnp.arange(case.m, dtype=jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        w = jnp.asarray(b["w"], case.dtype)
+        x = jnp.asarray(b["x"][perm], case.dtype)
+        spans = RowGroups(jnp.asarray(group, jnp.int32), rows, rows + 1)
+        y = jax.jit(functools.partial(gm.grouped_matmul, rows_sorted=False, swiglu=swiglu))(
+            x, w, jnp.asarray(b["sizes"]), row_groups=spans)
+        with pytest.raises(AssertionError, match="the Mosaic kernel ran"):
+            gm.grouped_matmul(x, w, jnp.asarray(b["sizes"]), row_groups=spans,
+                              rows_sorted=False, implementation="mosaic_gpu")
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
+    if swiglu:
+        want, allowance = swiglu_oracle(case, want, allowance)
+    want, allowance = want[perm], allowance[perm]
+    want[group == case.e] = 0.0
+    assert y.shape == want.shape and np.isfinite(y).all()
+    assert (y[group == case.e] == 0).all(), "rows of no group must be zero"
+    err = np.abs(y - want)
+    worst = np.unravel_index(np.argmax(err - allowance), err.shape)
+    assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
 
 
 def test_group_sizes_of_every_kind_are_drawn():

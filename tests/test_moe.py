@@ -185,18 +185,29 @@ def test_padding_tokens_route_nowhere(monkeypatch):
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation,platform", [
+    ("mosaic_gpu", "cpu"), pytest.param(None, "gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("live", [True, False])
-def test_one_token_rows_in_router_order_through_the_mosaic_kernel(monkeypatch, live):
+def test_one_token_rows_in_router_order(monkeypatch, live, implementation, platform):
     """At one token the MoE block skips the pair sort: its k rows stay in the router's
     order, each a group of its own (`rows_sorted=False`). Through the Mosaic grouped matmul
-    (interpret mode) the block matches the same block through jax's `ragged_dot` (the
-    reference, which gets the rows sorted); a padding token's output is zero."""
+    (interpret mode on the CPU), or on the GPU through the default dispatch (which reduces
+    each row against its expert's weights, `grouped_matmul_rows`), the block matches the
+    same block through jax's `ragged_dot` (the reference, which gets the rows sorted); a
+    padding token's output is zero."""
     import dataclasses
 
     from flax import nnx
 
+    import jaxinfer.grouped_matmul as gm
     import jaxinfer.models.moe as moe
     from jaxinfer.presets import preset_config
+
+    row_calls = []
+    real_rows = gm.grouped_matmul_rows
+    monkeypatch.setattr(gm, "grouped_matmul_rows",
+                        lambda *a, **kw: row_calls.append(1) or real_rows(*a, **kw))
+    device = jax.devices(platform)[0]
 
     config = dataclasses.replace(preset_config("tiny-moe"), moe_intermediate_size=64)
     layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
@@ -209,10 +220,12 @@ def test_one_token_rows_in_router_order_through_the_mosaic_kernel(monkeypatch, l
             calls.append(kw["rows_sorted"])
             return real(x, w, sizes, implementation=implementation, **kw)
         monkeypatch.setattr(moe, "grouped_matmul", call)
-        return np.asarray(layer(x, jnp.array([live])).astype(jnp.float32))
+        with jax.default_device(device):
+            return np.asarray(layer(x, jnp.array([live])).astype(jnp.float32))
 
-    want, got = through("reference"), through("mosaic_gpu")
+    want, got = through("reference"), through(implementation)
     assert calls == [False] * 4
+    assert len(row_calls) == (2 if implementation is None else 0)
     assert np.isfinite(got).all()
     if not live:
         assert (got == 0).all() and (want == 0).all()

@@ -1,0 +1,103 @@
+"""One decode token's expert products on the GPU: the Mosaic grouped matmul against XLA's
+multiply and row reduction over the gathered experts.
+
+  python bench/one_token_experts.py
+
+For Qwen3-30B-A3B (top-8 of 128) and Mixtral-8x7B (top-2 of 8) expert shapes, bf16, one
+token: its k rows (each its own group, in the router's order, as `jaxinfer.models.moe`
+passes them) through gate_up with the SwiGLU, then down; each form alone and the pair in
+one jit. CUPTI medians over calls that draw fresh random experts (each call reads its
+weights from HBM); the copy bandwidth is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+from jaxinfer.bench import measure_ceilings
+from jaxinfer.grouped_matmul import RowGroups, grouped_matmul, swiglu_halves
+
+SHAPES = {  # E, k, H (model width), I (expert width)
+    "qwen3": (128, 8, 2048, 768),
+    "mixtral": (8, 2, 4096, 14336),
+}
+
+
+def mosaic(x_rows, w, group, swiglu):
+    e = w.shape[0]
+    m = x_rows.shape[0]
+    sizes = jnp.sum(group[:, None] == jnp.arange(e)[None, :], axis=0, dtype=jnp.int32)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    return grouped_matmul(x_rows, w, sizes, row_groups=RowGroups(group, rows, rows + 1),
+                          swiglu=swiglu, rows_sorted=False, implementation="mosaic_gpu")
+
+
+def gathered_reduce(x_rows, w, group, swiglu):
+    e = w.shape[0]
+    w_rows = w[jnp.minimum(group, e - 1)].astype(jnp.float32)  # [M, N, K], fused
+    y = jnp.sum(x_rows.astype(jnp.float32)[:, None, :] * w_rows, axis=-1)
+    y = jnp.where((group < e)[:, None], y, 0.0)
+    return swiglu_halves(y, x_rows.dtype) if swiglu else y.astype(x_rows.dtype)
+
+
+def pair(form):
+    def run(x_rows, w_gate_up, w_down, group):
+        return form(form(x_rows, w_gate_up, group, True), w_down, group, False)
+    return run
+
+
+def timed(fn, args_of, calls=40):
+    times, kernels = [], {}
+    for i in range(calls):
+        _, per_kernel = profiler.measure(fn, aggregate=False)(*args_of(i))
+        times.append(sum(t for _, t in per_kernel))
+        for name, t in per_kernel:
+            kernels.setdefault(name[:28], []).append(t)
+    return float(np.median(times)) * 1e3, {n: round(float(np.median(t)) * 1e3, 2)
+                                            for n, t in kernels.items()}
+
+
+def main():
+    ceilings = measure_ceilings()
+    copy = ceilings.copy_bytes_per_s
+    print(f"copy {copy / 1e9:.0f} GB/s", flush=True)
+    for name, shape in SHAPES.items():
+        bench_shape(name, *shape, copy)
+
+
+def bench_shape(name, e, k, h, i, copy):
+    kg = jax.random.split(jax.random.key(0), 4)
+    w_gate_up = jax.random.normal(kg[0], (e, 2 * i, h), jnp.bfloat16)
+    w_down = jax.random.normal(kg[1], (e, h, i), jnp.bfloat16)
+    x = jax.random.normal(kg[2], (1, h), jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    groups = [jnp.asarray(rng.permutation(e)[:k], jnp.int32) for _ in range(64)]
+    gu_bytes, down_bytes = k * 2 * i * h * 2, k * h * i * 2
+    x_rows = jnp.broadcast_to(x, (k, h))
+    h_rows = jax.random.normal(kg[3], (k, i), jnp.bfloat16)
+    cases = (("gate_up+swiglu", lambda j: (x_rows, w_gate_up, groups[j % 64]), gu_bytes),
+             ("down", lambda j: (h_rows, w_down, groups[j % 64]), down_bytes),
+             ("both", lambda j: (x_rows, w_gate_up, w_down, groups[j % 64]),
+              gu_bytes + down_bytes))
+    ref = pair(gathered_reduce)(x_rows.astype(jnp.float32), w_gate_up, w_down, groups[0])
+    for label, form in (("mosaic", mosaic), ("xla gather-reduce", gathered_reduce)):
+        fns = (jax.jit(lambda xr, w, g, form=form: form(xr, w, g, True)),
+               jax.jit(lambda xr, w, g, form=form: form(xr, w, g, False)),
+               jax.jit(pair(form)))
+        got = fns[2](x_rows, w_gate_up, w_down, groups[0]).astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+        for fn, (what, args, nbytes) in zip(fns, cases, strict=True):
+            for j in range(3):
+                jax.block_until_ready(fn(*args(j)))
+            us, kernels = timed(fn, args)
+            gbps = nbytes / us / 1e3
+            print(f"{name:8s} {label:18s} {what:15s} {us:8.2f} us {gbps:6.0f} GB/s = "
+                  f"{gbps * 1e9 / copy:6.1%} of copy  rel.err {err:.1e}  {kernels}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
