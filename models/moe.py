@@ -134,11 +134,23 @@ class Experts(nnx.Module):
         up = jnp.clip(up, -c.swiglu_limit, c.swiglu_limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * c.swiglu_alpha))
 
-    def __call__(self, x_rows, rows: ExpertRows):
-        if self.config.activation == "silu" and self.gate_up_proj.bias is None:
+    @property
+    def fused_swiglu(self) -> bool:
+        """Whether gate_up applies silu(gate) * up itself: SiLU and no biases."""
+        return self.config.activation == "silu" and self.gate_up_proj.bias is None
+
+    def __call__(self, x_rows, rows: ExpertRows, row_weights=None):
+        """x_rows [M, H] -> [M, H]; row_weights [M] float32 (only with `fused_swiglu`)
+        scale each row's down-projection input, so the rows come out weighted."""
+        if self.fused_swiglu:
             # The grouped matmul applies silu(gate) * up itself (in its epilogue, on GPU);
             # with biases they must come first, so the activation runs after it.
-            return self.down_proj(self.gate_up_proj(x_rows, rows, swiglu=True), rows)
+            h = self.gate_up_proj(x_rows, rows, swiglu=True)
+            if row_weights is not None:
+                h = (h.astype(jnp.float32) * row_weights[:, None]).astype(h.dtype)
+            return self.down_proj(h, rows)
+        if row_weights is not None:
+            raise ValueError("Experts: row_weights need the fused SiLU (no biases)")
         h = self.gate_up_proj(x_rows, rows)
         return self.down_proj(self.activation(h), rows)
 
@@ -233,11 +245,19 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
                           dtype=jnp.int32)
     rows = ExpertRows(group_sizes, row_local, row_groups, rows_sorted)
+    weights = jnp.where(valid, weights, 0.0)  # pairs routed elsewhere carry weight 0
+    if T == 1 and experts.fused_swiglu:
+        # One token: its rows' router weights scale the down projection's input (in the
+        # activation's kernel), so the combine is a plain sum that XLA fuses into the
+        # residual add; weighting the outputs took a kernel of its own there.
+        y_rows = experts(x[order // k], rows, weights.reshape(-1)[order])
+        return reduce_over(("experts", "mlp"),
+                           jnp.sum(y_rows[pair_row.reshape(T, k)].astype(jnp.float32), 1))
     y_rows = experts(x[order // k], rows)
     # Combine: each token sums its k rows times their router weights (a gather, which XLA
-    # fuses into the residual add; pairs routed elsewhere carry weight 0).
+    # fuses into the residual add).
     token_rows = y_rows[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
-    out = jnp.einsum("tk,tkh->th", jnp.where(valid, weights, 0.0), token_rows)
+    out = jnp.einsum("tk,tkh->th", weights, token_rows)
     return reduce_over(("experts", "mlp"), out)
 
 
