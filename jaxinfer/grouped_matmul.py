@@ -87,10 +87,10 @@ def grouped_matmul_rows(x: jax.Array, w: jax.Array, group: jax.Array, *,
     [M, N / 2] with swiglu) in x.dtype: y[m] = x[m] @ w[group[m]]^T, 0 for rows of no
     group, accumulated in float32, whatever order the rows are in.
 
-    XLA runs it as one reduction kernel that gathers each row's weights itself (and
-    computes x's producers inside, e.g. the rows' gather and norm), like `linear`'s one-row
-    form; every row reads its group's whole matrix, so it suits a few rows of distinct
-    groups: one decode token's k experts (bench/NOTES.md, grouped matmul v8)."""
+    XLA runs it as one reduction kernel that gathers each row's weights (and x's rows)
+    itself, like `linear`'s one-row form; every row reads its group's whole matrix, so it
+    suits a few rows of distinct groups: one decode token's k experts (bench/NOTES.md,
+    grouped matmul v8)."""
     e = w.shape[0]
     w_rows = w[jnp.minimum(group, e - 1)].astype(x.dtype).astype(jnp.float32)  # [M, N, K]
     y = jnp.sum(x.astype(jnp.float32)[:, None, :] * w_rows, axis=-1)

@@ -9,8 +9,9 @@ Per layer, for T tokens x [T, H], E experts, top-k routing:
   3. one `grouped_matmul` per projection over all experts: gate_up [E, 2I, H] (the gate
      rows, then the up rows) -> [T*k, 2I]; the activation (silu(gate) * up inside the
      gate_up call, `swiglu=True`); down [E, H, I] -> [T*k, H];
-  4. each token sums its k rows times their router weights (a gather). Qwen2-MoE adds a
-     shared expert scaled by sigmoid(gate(x)).
+  4. each token sums its k rows times their router weights (a gather; at one token,
+     without expert biases, the weights scale the down projection's input instead). Qwen2-MoE
+     adds a shared expert scaled by sigmoid(gate(x)).
 
 Checkpoint keys inside `layers.{i}.mlp`: router.weight [E, H] (+ router.bias),
 experts.gate_up_proj.weight [E, 2I, H], experts.down_proj.weight [E, H, I] (+ .bias
