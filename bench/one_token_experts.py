@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
 from jaxinfer.bench import measure_ceilings
-from jaxinfer.grouped_matmul import RowGroups, grouped_matmul, swiglu_halves
+from jaxinfer.grouped_matmul import RowGroups, grouped_matmul, grouped_matmul_rows
 
 SHAPES = {  # E, k, H (model width), I (expert width)
     "qwen3": (128, 8, 2048, 768),
@@ -36,11 +36,8 @@ def mosaic(x_rows, w, group, swiglu):
 
 
 def gathered_reduce(x_rows, w, group, swiglu):
-    e = w.shape[0]
-    w_rows = w[jnp.minimum(group, e - 1)].astype(jnp.float32)  # [M, N, K], fused
-    y = jnp.sum(x_rows.astype(jnp.float32)[:, None, :] * w_rows, axis=-1)
-    y = jnp.where((group < e)[:, None], y, 0.0)
-    return swiglu_halves(y, x_rows.dtype) if swiglu else y.astype(x_rows.dtype)
+    """The form `grouped_matmul` picks on Hopper for one token's rows."""
+    return grouped_matmul_rows(x_rows, w, group, swiglu=swiglu)
 
 
 def pair(form):
