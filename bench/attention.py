@@ -1,6 +1,7 @@
 """Ragged paged attention on the GPU, side by side in one run (issue 3's table).
 
-  python bench/attention.py [--quick] [--tune] [--decode-sweep] [--batch1-sweep] [--json FILE]
+  python bench/attention.py [--quick] [--tune] [--decode-sweep] [--json FILE]
+  python bench/attention.py --batch1-sweep [--kv-heads 4] [--contexts 576] [--batches 1,4,16]
 
 Rows: our Mosaic GPU kernel (`attend_pages_mgpu`: the query tiling, the kernel
 and the split combine; the k/v write is left out because outside a benchmark the
@@ -9,7 +10,10 @@ XLA would copy the whole cache first), jax's stock Pallas
 (Triton) `paged_attention` (decode only), the XLA reference, and the ceilings
 measured in the same run: device copy bandwidth and the bf16 matmul rate. The
 mixed step is also compared with cuDNN (`jax.nn.dot_product_attention`) on the
-equivalent dense problem. Times are CUPTI kernel-time medians.
+equivalent dense problem. `--batch1-sweep` times small decode batches (one token per
+sequence): the Mosaic kernel, our Pallas GPU (Triton) kernel (`attend_pages_gpu`, its
+default and other block sizes / split counts) and jax's stock paged_attention. Times are
+CUPTI kernel-time medians.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
 from jaxinfer.bench import format_rows, measure_ceilings, median_seconds, roofline
 from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu
+from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import attend_pages_gpu
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 
@@ -65,6 +70,12 @@ def ours(config=None, **kw):
     """Attention over the pages (q, k, v, k_pages, v_pages, md); k/v are not written."""
     return jax.jit(lambda q, k, v, kp, vp, md: attend_pages_mgpu(
         q, kp, vp, md, sm_scale=D ** -0.5, config=config, **kw))
+
+
+def pallas_gpu(**kw):
+    """The Pallas GPU (Triton) kernel over the pages; k/v are not written."""
+    return jax.jit(lambda q, k, v, kp, vp, md: attend_pages_gpu(
+        q, kp, vp, md, sm_scale=D ** -0.5, **kw))
 
 
 def full(implementation, **kw):
@@ -129,6 +140,8 @@ def main():
                     help=f"--batch1-sweep: KV heads (of {HQ} query heads; Qwen3-30B-A3B: 4)")
     ap.add_argument("--contexts", default="512,1024,1600",
                     help="--batch1-sweep: KV lengths, a comma-separated list")
+    ap.add_argument("--batches", default="1",
+                    help="--batch1-sweep: decode batch sizes (one token per sequence)")
     ap.add_argument("--json")
     a = ap.parse_args()
     c = measure_ceilings()
@@ -164,21 +177,25 @@ def main():
         return
 
     if a.batch1_sweep:
-        for ctx in map(int, a.contexts.split(",")):
+        for ctx, bsz in itertools.product(map(int, a.contexts.split(",")),
+                                          map(int, a.batches.split(","))):
             # page_indices as wide as the engine makes it (a power of two of pages)
             width = 1 << (-(-ctx // PAGE) - 1).bit_length()
-            args, nbytes, flops = batch([(1, ctx)], hkv=a.kv_heads, width=width)
-            label = f"B=1 Hkv={a.kv_heads} ctx={ctx}"
+            args, nbytes, flops = batch([(1, ctx)] * bsz, hkv=a.kv_heads, width=width)
+            label = f"B={bsz} Hkv={a.kv_heads} ctx={ctx}"
             check(full("mosaic_gpu"), reference(), args, label)
+            check(full("pallas_gpu"), reference(), args, label + " pallas_gpu")
             add(f"{label} mosaic default", ours(), args, nbytes, flops)
             kernel_breakdown(ours(), args)
-            kernel_breakdown(ours(Config(128, 3, 1, 1, 8)), args)
-            for bk, st, splits in [(128, 3, 1), (128, 4, 1), (128, 3, 2), (128, 3, 3),
-                                   (128, 3, 5), (64, 3, 1), (64, 4, 1), (64, 3, 2),
-                                   (64, 3, 5), (64, 3, 10), (64, 2, 16)]:
+            add(f"{label} pallas_gpu default", pallas_gpu(), args, nbytes, flops)
+            kernel_breakdown(pallas_gpu(), args)
+            for bk, splits in [(16, 1), (32, 1), (64, 1), (128, 1), (32, 4), (64, 2),
+                               (64, 4), (64, 8), (32, 16)]:
                 if splits * bk <= ctx + bk:
-                    add(f"{label} mosaic bk={bk} stages={st} splits={splits}",
-                        ours(Config(bk, st, 1, splits, 8)), args, nbytes, flops)
+                    add(f"{label} pallas_gpu bk={bk} splits={splits}",
+                        pallas_gpu(block_kv=bk, num_splits=splits), args, nbytes, flops)
+            fn, sargs = stock_paged_attention(args)
+            add(f"{label} stock paged_attention", fn, sargs, nbytes, flops)
         print(format_rows(rows))
         return
 

@@ -27,14 +27,16 @@ fp8 KV cache: pages of dtype float8_e4m3fn hold k / k_scale (and v / v_scale),
 clipped to the e4m3 range; attention reads them back as page * scale. Scales
 are per-layer Python floats (vLLM's per-tensor k_scale / v_scale).
 
-`ragged_paged_attention` picks the implementation in one place: the Mosaic GPU
-kernel on Hopper, the Pallas TPU kernel on TPU, this pure-JAX reference
+`ragged_paged_attention` picks the implementation in one place: on Hopper the
+Mosaic GPU kernel, or for steps of one token (batch-1 decode) the Pallas kernel's
+GPU (Triton) lowering; the Pallas TPU kernel on TPU; this pure-JAX reference
 elsewhere (CPU, older GPUs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -233,27 +235,45 @@ def ragged_paged_attention(
 ):
     """Writes k/v into the pages and attends. The one place that picks a backend.
 
-    `implementation` forces one of IMPLEMENTATIONS (tests and benchmarks); None
-    picks `default_implementation()`, falling back to the reference for shapes or
-    dtypes the Mosaic kernel does not take. Kernels run in interpret mode on the CPU.
+    `implementation` forces one of ATTENTION_IMPLEMENTATIONS (tests and benchmarks);
+    None picks `default_implementation()` (on Hopper, the Pallas GPU kernel for steps
+    of up to PALLAS_GPU_MAX_TOKENS tokens), falling back to the reference for shapes or
+    dtypes the kernel does not take. Kernels run in interpret mode on the CPU.
     """
     impl = implementation
     if impl is None:
         impl = default_implementation()
-        if impl == "mosaic_gpu":
-            from jaxinfer.mosaic.ragged_paged_attention import unsupported_reason
-            if unsupported_reason(q, k_pages) is not None:
-                impl = "reference"  # e.g. float32 models: the kernel runs bf16 / f16
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-    if impl == "reference":
-        fn = ragged_paged_attention_reference
-    elif impl == "pallas_tpu":
-        from jaxinfer.pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu
-        fn = ragged_paged_attention_tpu
-    elif impl == "mosaic_gpu":
-        from jaxinfer.mosaic.ragged_paged_attention import ragged_paged_attention_mgpu
-        fn = ragged_paged_attention_mgpu
-    else:
-        raise ValueError(f"attention implementation {impl!r}: expected one of {IMPLEMENTATIONS}")
-    return fn(q, k, v, k_pages, v_pages, md, **kwargs)
+        if (impl == "mosaic_gpu" and q.shape[0] <= PALLAS_GPU_MAX_TOKENS
+                and importlib.util.find_spec("jax.experimental.pallas.triton") is not None):
+            impl = "pallas_gpu"  # a program per token: few tokens (decode) only
+        if impl in ("mosaic_gpu", "pallas_gpu") and _kernel(impl)[1](q, k_pages) is not None:
+            impl = "reference"  # e.g. float32 models: the kernels run bf16 / f16
+    fn = ragged_paged_attention_reference if impl == "reference" else _kernel(impl)[0]
+    return fn(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale,
+              sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+              k_scale=k_scale, v_scale=v_scale)
+
+
+# Attention has a fourth implementation: the Pallas kernel's GPU (Triton) lowering
+# (deprecated in jax 0.11, so the default skips it in a jax without it).
+ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS + ("pallas_gpu",)
+# Steps of up to this many tokens use the Pallas GPU kernel on Hopper (bench/NOTES.md,
+# ragged paged attention v4: measured at batch-1 decode). Its program per (token, KV
+# head, split) reaches its first K block sooner than the Mosaic kernel's CTAs, but reads
+# a sequence's pages once per token, so larger steps keep the Mosaic kernel.
+PALLAS_GPU_MAX_TOKENS = 1
+
+
+def _kernel(impl: str):
+    """(attention function, unsupported_reason) of a kernel implementation."""
+    if impl == "pallas_tpu":
+        from jaxinfer.pallas_kernels import ragged_paged_attention as m
+        return m.ragged_paged_attention_tpu, lambda q, k_pages: None
+    if impl == "pallas_gpu":
+        from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as m
+        return m.ragged_paged_attention_gpu, m.unsupported_reason
+    if impl == "mosaic_gpu":
+        from jaxinfer.mosaic import ragged_paged_attention as m
+        return m.ragged_paged_attention_mgpu, m.unsupported_reason
+    raise ValueError(f"attention implementation {impl!r}: expected one of "
+                     f"{ATTENTION_IMPLEMENTATIONS}")

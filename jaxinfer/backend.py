@@ -4,7 +4,8 @@ Every op with kernels (`jaxinfer.attention.ragged_paged_attention`,
 `jaxinfer.quantized_matmul.quantized_matmul`) has the same three implementations:
 a pure-JAX reference, a Pallas TPU kernel and a Hopper Mosaic GPU kernel. Off
 their hardware the kernels run in interpret mode (tests), with the parameters
-below.
+below. Attention also has its Pallas kernel's GPU (Triton) lowering, which its
+dispatcher picks on Hopper for one-token steps (`jaxinfer.attention`).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ BACKENDS = [
     ("reference", "cpu"), pytest.param("reference", "gpu", marks=gpu),
     ("mosaic_gpu", "cpu"), pytest.param("mosaic_gpu", "gpu", marks=gpu),
     ("pallas_tpu", "cpu"),
+    ("pallas_gpu", "cpu"), pytest.param("pallas_gpu", "gpu", marks=gpu),
 ]
 
 
@@ -165,6 +166,31 @@ def test_mosaic_configs(name, config, platform):
         mosaic.choose_config = orig
 
 
+# (block_kv, num_splits) of the Pallas GPU kernel: one split (out written by the kernel)
+# and several (merged by XLA), blocks smaller and larger than a page.
+PALLAS_GPU_CONFIGS = {"one_split": (16, 1), "one_split_bk64": (64, 1), "split3": (32, 3),
+                      "split7_bk16": (16, 7)}
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("config", list(PALLAS_GPU_CONFIGS))
+@pytest.mark.parametrize("name", ["mixed", "window_cap_sinks", "poison_nan", "fp8_kv",
+                                  "gqa3_d64", "page_size_8", "single_token"])
+def test_pallas_gpu_configs(name, config, platform):
+    """The Pallas GPU kernel's block sizes and split counts against the oracle (the
+    wrapper's heuristic picks only one per shape)."""
+    from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as kernel
+
+    block_kv, num_splits = PALLAS_GPU_CONFIGS[config]
+    orig = kernel.attend_pages_gpu
+    kernel.attend_pages_gpu = lambda *a, **kw: orig(*a, **{**kw, "block_kv": block_kv,
+                                                           "num_splits": num_splits})
+    try:
+        check_against_oracle(CASES[name], "pallas_gpu", platform)
+    finally:
+        kernel.attend_pages_gpu = orig
+
+
 @pytest.mark.parametrize("num_ctas", [1, 3, 7, 200])
 def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
     """The persistent kernel's item lists: every item of an entry with tokens exactly once,
@@ -212,6 +238,32 @@ def test_backend_choice_and_kernel_limits():
         ragged_paged_attention(*(jnp.asarray(b[n]) for n in ("q", "k", "v", "k_pages",
                                                              "v_pages")), md,
                                sm_scale=0.125, implementation="mosaic_gpu")
+
+
+def test_hopper_dispatch_picks_the_pallas_gpu_kernel_for_few_tokens(monkeypatch):
+    """Where the default is the Mosaic kernel (Hopper), a step of up to
+    PALLAS_GPU_MAX_TOKENS tokens runs the Pallas GPU kernel and a larger one the Mosaic
+    kernel (both patched to report which ran); float32 inputs still fall back to the
+    reference."""
+    import jaxinfer.attention as att
+    from jaxinfer.mosaic import ragged_paged_attention as mosaic
+    from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu
+
+    monkeypatch.setattr(att, "default_implementation", lambda: "mosaic_gpu")
+    monkeypatch.setattr(mosaic, "ragged_paged_attention_mgpu", lambda *a, **k: "mosaic_gpu")
+    monkeypatch.setattr(pallas_gpu, "ragged_paged_attention_gpu", lambda *a, **k: "pallas_gpu")
+    for name, want in (("single_token", "pallas_gpu"), ("decode", "mosaic_gpu")):
+        b = build(CASES[name])
+        assert (b["q"].shape[0] <= att.PALLAS_GPU_MAX_TOKENS) == (want == "pallas_gpu")
+        md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
+        arrays = [jnp.asarray(b[n]) for n in ("q", "k", "v", "k_pages", "v_pages")]
+        got = att.ragged_paged_attention(*(a.astype(jnp.bfloat16) for a in arrays), md,
+                                         sm_scale=0.125)
+        assert got == want
+        out, _, _ = att.ragged_paged_attention(*arrays, md, sm_scale=0.125)  # float32
+        assert out.shape == b["q"].shape
+    with pytest.raises(ValueError, match="attention implementation 'triton'"):
+        att.ragged_paged_attention(*arrays, md, sm_scale=0.125, implementation="triton")
 
 
 @pytest.mark.parametrize("live", [True, False])

@@ -1,0 +1,241 @@
+"""Ragged paged attention: Pallas kernel, GPU (Triton) lowering, one program per token.
+
+Same contract as `jaxinfer.attention.ragged_paged_attention_reference` (the spec;
+layouts in that module's docstring): q [T, Hq, D], k / v [T, Hkv, D], pages
+[num_pages, page_size, Hkv, D] in q.dtype or float8_e4m3fn, AttentionMetadata ->
+(out [T, Hq, D] in q.dtype, k_pages, v_pages).
+
+Algorithm (flash decoding over pages):
+  1. The new k/v are written into the pages by XLA (`write_kv_pages`, in place under
+     donation); the kernel only reads pages.
+  2. Grid = (T, Hkv, splits): program (t, h, s) attends token t's G = Hq / Hkv query
+     heads of KV head h over split s of the keys token t sees (its causal range, cut
+     by the sliding window), in blocks of `block_kv` cache positions. The G heads are
+     the rows of a [GP, D] x [D, block_kv] product (GP = G rounded up to a power of two
+     >= 16, the smallest dot Triton takes; the extra rows repeat head G - 1).
+  3. Each block gathers its rows straight from the pages: position j of the sequence
+     lives at row page_indices[seq, j // page_size] * page_size + j % page_size of the
+     pages viewed as [num_pages * page_size, Hkv, D]. Positions outside the token's
+     range are masked in the scores and zeroed in V (pages may hold NaN there, and
+     0 * NaN = NaN in the PV product).
+  4. Online softmax in base 2, float32. A sink is a virtual key with logit sinks[h]
+     and value 0: split 0 starts its running max / denominator from it.
+  5. One split: the program writes q.dtype rows straight into out [T, Hq, D]. Several:
+     each writes float32 rows normalised over its keys and their log-sum-exp (base
+     2), and XLA merges them. Padding tokens see no keys and come out 0.
+
+Every token reads its own keys, so a prefill chunk of n tokens reads its pages n
+times: this kernel is for steps of few tokens (decode), where a program per
+(token, KV head, split) fills the GPU; the Mosaic GPU kernel takes the rest on Hopper
+(`jaxinfer.attention` picks). fp8 pages are upcast to q.dtype in registers; k_scale
+folds into the score scale and v_scale multiplies the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from jaxinfer.attention import FP8_KV_DTYPE, AttentionMetadata, token_positions, write_kv_pages
+
+MASKED = -1e30  # masked score (base-2 units): exp2(MASKED - m) == 0 for any real m
+LOG2E = math.log2(math.e)
+NUM_SMS = 132  # H100 / H200 SXM: the splits aim for about two programs per SM
+MIN_DOT = 16  # Triton's smallest dot dimension
+
+
+def _kernel(token_seq_ref, token_pos_ref, page_indices_ref, q_ref, k_ref, v_ref, *rest,
+            group: int, rows: int, page_size: int, block_kv: int, num_splits: int,
+            scale: float, sliding_window: int | None, soft_cap: float | None,
+            use_sinks: bool, v_scale: float | None):
+    """One (token, KV head, split). q_ref [T, Hkv, G, D]; k_ref / v_ref [num_pages *
+    page_size, Hkv, D]; sinks_ref [Hkv, G] (base-2 logits) if use_sinks; out_ref [T, Hq, D]
+    (one split) or [T, Hkv, splits, rows, D] float32 with lse_ref [T, Hkv, splits, rows]."""
+    if use_sinks:
+        sinks_ref, *rest = rest
+    out_ref, lse_ref = (rest[0], None) if num_splits == 1 else rest
+    t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_seqs, num_pages_per_seq = page_indices_ref.shape
+    # One sequence slot (batch-1 decode): no load stands before the page ids.
+    seq = 0 if num_seqs == 1 else token_seq_ref[t]
+    pos = token_pos_ref[t]  # -1: padding, sees nothing
+    head = jnp.minimum(lax.iota(jnp.int32, rows), group - 1)  # rows past G repeat G - 1
+
+    end = pos + 1  # the token sees positions [start, end)
+    start = 0 if sliding_window is None else jnp.maximum(end - sliding_window, 0)
+    if sliding_window is None:
+        # Split s takes a fixed share of the page table's blocks, not of the token's
+        # range, so its first loads (page ids, then K / V) wait on no loaded scalar;
+        # positions out of [start, end) are masked. (The engine sizes page_indices to a
+        # power of two of pages >= the longest sequence: at most about half is spare.)
+        blocks = pl.cdiv(num_pages_per_seq * page_size, block_kv)
+        lo = s * pl.cdiv(blocks, num_splits)
+        hi = jnp.minimum(lo + pl.cdiv(blocks, num_splits), blocks)
+    else:
+        # A window: the splits share the blocks it covers (a share of the whole table
+        # could read far more than the window holds).
+        first = start // block_kv
+        blocks = jnp.maximum(pl.cdiv(end, block_kv) - first, 0)
+        lo = first + s * pl.cdiv(blocks, num_splits)
+        hi = jnp.minimum(lo + pl.cdiv(blocks, num_splits), first + blocks)
+
+    q = q_ref[t, h, head, :]  # [rows, D]
+    if use_sinks:
+        sink = sinks_ref[h, head]
+        max0 = jnp.where(s == 0, sink, MASKED)
+        denom0 = jnp.where(s == 0, jnp.ones((rows,), jnp.float32), 0.0)
+    else:
+        max0 = jnp.full((rows,), MASKED, jnp.float32)
+        denom0 = jnp.zeros((rows,), jnp.float32)
+    acc0 = jnp.zeros(q.shape, jnp.float32)
+
+    def body(b, carry):
+        row_max, denom, acc = carry
+        j = b * block_kv + lax.iota(jnp.int32, block_kv)  # cache positions
+        col = jnp.minimum(j // page_size, num_pages_per_seq - 1)
+        page = jnp.clip(page_indices_ref[seq, col], 0, k_ref.shape[0] // page_size - 1)
+        row = page * page_size + j % page_size
+        k = k_ref[row, h, :].astype(q.dtype)  # [block_kv, D]
+        v = v_ref[row, h, :].astype(q.dtype)
+        live = (j >= start) & (j < end)
+        scores = pl_triton.dot(q, k, trans_b=True).astype(jnp.float32)
+        if soft_cap is not None:  # cap * tanh(x / cap) in natural units, then base 2
+            scores = soft_cap * LOG2E * jnp.tanh(scores * (scale / soft_cap))
+        else:
+            scores = scores * (scale * LOG2E)
+        scores = jnp.where(live[None, :], scores, MASKED)
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+        # (Masked scores get p = 0 even while the max is still MASKED, as in a block
+        # wholly outside the token's range.)
+        p = jnp.where(live[None, :], jnp.exp2(scores - new_max[:, None]), 0.0)
+        alpha = jnp.exp2(row_max - new_max)
+        v = jnp.where(live[:, None], v, jnp.zeros_like(v))
+        pv = pl_triton.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return new_max, denom * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    row_max, denom, acc = lax.fori_loop(lo, hi, body, (max0, denom0, acc0))
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]
+    if v_scale is not None:
+        out = out * v_scale
+    if num_splits == 1:
+        # Rows past G repeat head G - 1, so their duplicate writes store the same values.
+        out_ref[t, h * group + head, :] = out.astype(out_ref.dtype)
+    else:
+        out_ref[t, h, s, :, :] = out
+        lse_ref[t, h, s, :] = jnp.where(denom == 0.0, -jnp.inf, row_max + jnp.log2(denom))
+
+
+def choose_splits(num_tokens: int, num_kv_heads: int, max_ctx: int, block_kv: int,
+                  sliding_window: int | None = None) -> int:
+    """KV splits per (token, KV head): about two programs per SM, one block at least each
+    (of the blocks a token can see: max_ctx, or its window's)."""
+    target = -(-2 * NUM_SMS // (num_tokens * num_kv_heads))
+    if sliding_window is not None:
+        max_ctx = min(max_ctx, sliding_window + block_kv - 1)
+    return max(1, min(target, -(-max_ctx // block_kv)))
+
+
+def _merge_splits(out, lse):
+    """out [T, Hkv, splits, G, D] float32 (normalised per split), lse [T, Hkv, splits, G]
+    (base 2; -inf where a split saw nothing) -> [T, Hkv, G, D] float32. The sinks already
+    joined split 0's sums.
+
+    Written as elementwise ops over the splits' slices, not reductions over their axis:
+    XLA then runs the merge as one loop kernel (as reductions it took three, ~3.8 us a
+    layer at batch-1 decode)."""
+    splits = out.shape[2]
+    lse_s = [lse[:, :, s] for s in range(splits)]
+    m = functools.reduce(jnp.maximum, lse_s)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = [jnp.exp2(x - m) for x in lse_s]
+    denom = functools.reduce(jnp.add, w)
+    merged = functools.reduce(jnp.add, [out[:, :, s] * w[s][..., None] for s in range(splits)])
+    return merged / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
+def ragged_paged_attention_gpu(
+    q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
+    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
+    block_kv: int | None = None, num_splits: int | None = None,
+):
+    """Writes k/v into the pages and attends with the Pallas GPU kernel (module doc).
+    `block_kv` / `num_splits` override the defaults (benchmarks, tests)."""
+    k_pages, v_pages = write_kv_pages(k, v, k_pages, v_pages, md, k_scale=k_scale,
+                                      v_scale=v_scale)
+    out = attend_pages_gpu(q, k_pages, v_pages, md, sm_scale=sm_scale,
+                           sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                           k_scale=k_scale, v_scale=v_scale, block_kv=block_kv,
+                           num_splits=num_splits)
+    return out, k_pages, v_pages
+
+
+# Jitted so that a model's layers share one trace and one lowering of the kernel.
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "k_scale", "v_scale", "block_kv", "num_splits"))
+def attend_pages_gpu(
+    q, k_pages, v_pages, md: AttentionMetadata, *,
+    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
+    block_kv: int | None = None, num_splits: int | None = None,
+):
+    """The attention half: pages that already hold this step's k/v -> out [T, Hq, D]."""
+    if (reason := unsupported_reason(q, k_pages)) is not None:
+        raise ValueError(f"pallas gpu attention: {reason}")
+    T, Hq, D = q.shape
+    num_pages, page_size, Hkv, _ = k_pages.shape
+    P = md.page_indices.shape[1]
+    G = Hq // Hkv
+    rows = max(MIN_DOT, pl.next_power_of_2(G))
+    fp8 = k_pages.dtype == FP8_KV_DTYPE
+    block_kv = block_kv or max(MIN_DOT, min(64, pl.next_power_of_2(page_size * P)))
+    if block_kv < MIN_DOT or block_kv & (block_kv - 1):
+        raise ValueError(f"pallas gpu attention: block_kv {block_kv}: a power of two >= "
+                         f"{MIN_DOT} required")
+    splits = num_splits or choose_splits(T, Hkv, P * page_size, block_kv, sliding_window)
+
+    token_seq, token_pos, valid = token_positions(md, T)
+    token_pos = jnp.where(valid, token_pos, -1)
+    scale = sm_scale * (k_scale if (fp8 and k_scale is not None) else 1.0)
+    args = [token_seq, token_pos, md.page_indices, q.reshape(T, Hkv, G, D),
+            k_pages.reshape(num_pages * page_size, Hkv, D),
+            v_pages.reshape(num_pages * page_size, Hkv, D)]
+    if sinks is not None:
+        args.append((sinks.astype(jnp.float32) * LOG2E).reshape(Hkv, G))
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((T, Hq, D), q.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((T, Hkv, splits, rows, D), jnp.float32),
+                     jax.ShapeDtypeStruct((T, Hkv, splits, rows), jnp.float32)]
+    kernel = functools.partial(
+        _kernel, group=G, rows=rows, page_size=page_size, block_kv=block_kv,
+        num_splits=splits, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        use_sinks=sinks is not None, v_scale=v_scale if fp8 else None)
+    results = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(T, Hkv, splits),
+        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=jax.default_backend() != "gpu",
+    )(*args)
+    if splits == 1:
+        return results[0]
+    out = _merge_splits(results[0][:, :, :, :G], results[1][:, :, :, :G])
+    return out.reshape(T, Hq, D).astype(q.dtype)
+
+
+def unsupported_reason(q, k_pages) -> str | None:
+    """Why this kernel cannot take these inputs (None if it can)."""
+    _, Hq, D = q.shape
+    Hkv = k_pages.shape[2]
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q dtype {q.dtype}: needs bfloat16 or float16"
+    if k_pages.dtype not in (q.dtype, FP8_KV_DTYPE):
+        return f"KV pages {k_pages.dtype} with q {q.dtype}"
+    if D < MIN_DOT or D & (D - 1) or Hq % Hkv:
+        return f"head_dim {D} (a power of two >= {MIN_DOT}) and Hq {Hq} a multiple of {Hkv}"
+    return None
