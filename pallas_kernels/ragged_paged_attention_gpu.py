@@ -141,22 +141,25 @@ def choose_splits(num_tokens: int, num_kv_heads: int, max_ctx: int, block_kv: in
     return max(1, min(target, -(-max_ctx // block_kv)))
 
 
-def _merge_splits(out, lse):
-    """out [T, Hkv, splits, G, D] float32 (normalised per split), lse [T, Hkv, splits, G]
-    (base 2; -inf where a split saw nothing) -> [T, Hkv, G, D] float32. The sinks already
-    joined split 0's sums.
+def _merge_kernel(out_ref, lse_ref, merged_ref, *, group: int, num_splits: int):
+    """One query head g of token t, KV head h: its splits' rows merged. out_ref [T, Hkv,
+    splits, rows, D] float32 (normalised per split), lse_ref [T, Hkv, splits, rows] (base
+    2; -inf where a split saw nothing; the sinks already joined split 0's sums) ->
+    merged_ref [T, Hq, D]."""
+    t, h, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    top = lax.fori_loop(0, num_splits, lambda s, m: jnp.maximum(m, lse_ref[t, h, s, g]),
+                        -jnp.inf)
+    top = jnp.where(top == -jnp.inf, 0.0, top)  # no split saw a key (padding): all 0
 
-    Written as elementwise ops over the splits' slices, not reductions over their axis:
-    XLA then runs the merge as one loop kernel (as reductions it took three, ~3.8 us a
-    layer at batch-1 decode)."""
-    splits = out.shape[2]
-    lse_s = [lse[:, :, s] for s in range(splits)]
-    m = functools.reduce(jnp.maximum, lse_s)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = [jnp.exp2(x - m) for x in lse_s]
-    denom = functools.reduce(jnp.add, w)
-    merged = functools.reduce(jnp.add, [out[:, :, s] * w[s][..., None] for s in range(splits)])
-    return merged / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    def add(s, carry):
+        acc, denom = carry
+        w = jnp.exp2(lse_ref[t, h, s, g] - top)
+        return acc + w * out_ref[t, h, s, g, :], denom + w
+
+    acc, denom = lax.fori_loop(0, num_splits, add,
+                               (jnp.zeros(out_ref.shape[-1:], jnp.float32), 0.0))
+    merged = acc / jnp.where(denom == 0.0, 1.0, denom)
+    merged_ref[t, h * group + g, :] = merged.astype(merged_ref.dtype)
 
 
 def ragged_paged_attention_gpu(
@@ -224,8 +227,14 @@ def attend_pages_gpu(
     )(*args)
     if splits == 1:
         return results[0]
-    out = _merge_splits(results[0][:, :, :, :G], results[1][:, :, :, :G])
-    return out.reshape(T, Hq, D).astype(q.dtype)
+    # The splits merged by a second kernel, a program per query head (as XLA ops the
+    # merge took two kernels: bench/NOTES.md, ragged paged attention v4).
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, group=G, num_splits=splits),
+        out_shape=jax.ShapeDtypeStruct((T, Hq, D), q.dtype), grid=(T, Hkv, G),
+        compiler_params=pl_triton.CompilerParams(num_warps=1, num_stages=2),
+        interpret=jax.default_backend() != "gpu",
+    )(*results)
 
 
 def unsupported_reason(q, k_pages) -> str | None:
