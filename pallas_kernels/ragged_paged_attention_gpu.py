@@ -9,8 +9,10 @@ Algorithm (flash decoding over pages):
   1. The new k/v are written into the pages by XLA (`write_kv_pages`, in place under
      donation); the kernel only reads pages.
   2. Grid = (T, Hkv, splits): program (t, h, s) attends token t's G = Hq / Hkv query
-     heads of KV head h over split s of the keys token t sees (its causal range, cut
-     by the sliding window), in blocks of `block_kv` cache positions. The G heads are
+     heads of KV head h over split s of the page table's blocks of `block_kv` cache
+     positions (a fixed share, so no loaded scalar delays its first loads; with a
+     sliding window, a share of the blocks the window covers), masked to the token's
+     causal range. The G heads are
      the rows of a [GP, D] x [D, block_kv] product (GP = G rounded up to a power of two
      >= 16, the smallest dot Triton takes; the extra rows repeat head G - 1).
   3. Each block gathers its rows straight from the pages: position j of the sequence
@@ -22,7 +24,8 @@ Algorithm (flash decoding over pages):
      and value 0: split 0 starts its running max / denominator from it.
   5. One split: the program writes q.dtype rows straight into out [T, Hq, D]. Several:
      each writes float32 rows normalised over its keys and their log-sum-exp (base
-     2), and XLA merges them. Padding tokens see no keys and come out 0.
+     2), and a second kernel merges them, a program per query head. Padding tokens
+     see no keys and come out 0.
 
 Every token reads its own keys, so a prefill chunk of n tokens reads its pages n
 times: this kernel is for steps of few tokens (decode), where a program per

@@ -167,7 +167,7 @@ def test_mosaic_configs(name, config, platform):
 
 
 # (block_kv, num_splits) of the Pallas GPU kernel: one split (out written by the kernel)
-# and several (merged by XLA), blocks smaller and larger than a page.
+# and several (merged by its second kernel), blocks smaller and larger than a page.
 PALLAS_GPU_CONFIGS = {"one_split": (16, 1), "one_split_bk64": (64, 1), "split3": (32, 3),
                       "split7_bk16": (16, 7)}
 
