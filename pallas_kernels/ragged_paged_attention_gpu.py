@@ -53,7 +53,7 @@ NUM_SMS = 132  # H100 / H200 SXM: the splits aim for about two programs per SM
 MIN_DOT = 16  # Triton's smallest dot dimension
 
 
-def _kernel(token_seq_ref, token_pos_ref, page_indices_ref, q_ref, k_ref, v_ref, *rest,
+def _attention_kernel(token_seq_ref, token_pos_ref, page_indices_ref, q_ref, k_ref, v_ref, *rest,
             group: int, rows: int, page_size: int, block_kv: int, num_splits: int,
             scale: float, sliding_window: int | None, soft_cap: float | None,
             use_sinks: bool, v_scale: float | None):
@@ -144,7 +144,7 @@ def choose_splits(num_tokens: int, num_kv_heads: int, max_ctx: int, block_kv: in
     return max(1, min(target, -(-max_ctx // block_kv)))
 
 
-def _merge_kernel(out_ref, lse_ref, merged_ref, *, group: int, num_splits: int):
+def _merge_splits_kernel(out_ref, lse_ref, merged_ref, *, group: int, num_splits: int):
     """One query head g of token t, KV head h: its splits' rows merged. out_ref [T, Hkv,
     splits, rows, D] float32 (normalised per split), lse_ref [T, Hkv, splits, rows] (base
     2; -inf where a split saw nothing; the sinks already joined split 0's sums) ->
@@ -220,7 +220,7 @@ def attend_pages_gpu(
         out_shape = [jax.ShapeDtypeStruct((T, Hkv, splits, rows, D), jnp.float32),
                      jax.ShapeDtypeStruct((T, Hkv, splits, rows), jnp.float32)]
     kernel = functools.partial(
-        _kernel, group=G, rows=rows, page_size=page_size, block_kv=block_kv,
+        _attention_kernel, group=G, rows=rows, page_size=page_size, block_kv=block_kv,
         num_splits=splits, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
         use_sinks=sinks is not None, v_scale=v_scale if fp8 else None)
     results = pl.pallas_call(
@@ -233,7 +233,7 @@ def attend_pages_gpu(
     # The splits merged by a second kernel, a program per query head (as XLA ops the
     # merge took two kernels: bench/NOTES.md, ragged paged attention v4).
     return pl.pallas_call(
-        functools.partial(_merge_kernel, group=G, num_splits=splits),
+        functools.partial(_merge_splits_kernel, group=G, num_splits=splits),
         out_shape=jax.ShapeDtypeStruct((T, Hq, D), q.dtype), grid=(T, Hkv, G),
         compiler_params=pl_triton.CompilerParams(num_warps=1, num_stages=2),
         interpret=jax.default_backend() != "gpu",
@@ -249,5 +249,6 @@ def unsupported_reason(q, k_pages) -> str | None:
     if k_pages.dtype not in (q.dtype, FP8_KV_DTYPE):
         return f"KV pages {k_pages.dtype} with q {q.dtype}"
     if D < MIN_DOT or D & (D - 1) or Hq % Hkv:
-        return f"head_dim {D} (a power of two >= {MIN_DOT}) and Hq {Hq} a multiple of {Hkv}"
+        return (f"head_dim {D} (a power of two >= {MIN_DOT}) and query heads {Hq} (a multiple "
+                f"of the {Hkv} KV heads) required")
     return None
