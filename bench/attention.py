@@ -75,7 +75,7 @@ def ours(config=None, **kw):
 def pallas_gpu(**kw):
     """The Pallas GPU (Triton) kernel over the pages; k/v are not written."""
     return jax.jit(lambda q, k, v, kp, vp, md: attend_pages_gpu(
-        q, kp, vp, md, sm_scale=D ** -0.5, **kw))
+        q, kp, vp, md, sm_scale=D ** -0.5, **kw)[0])
 
 
 def full(implementation, **kw):

@@ -106,6 +106,11 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
         v_pages = v_pages.at[page, slot].set(v_new, mode="drop")
     if not md.zero_tails:
         return k_pages, v_pages
+    return zero_page_tails(k_pages, v_pages, md)
+
+
+def zero_page_tails(k_pages, v_pages, md: AttentionMetadata):
+    """Zeroes the slots past kv_len in each live sequence's last page."""
     ps = k_pages.shape[1]  # kv_len .. the end of its page
     return zero_slots(k_pages, v_pages, md, md.kv_lens, -(-md.kv_lens // ps) * ps, ps)
 

@@ -6,8 +6,12 @@ layouts in that module's docstring): q [T, Hq, D], k / v [T, Hkv, D], pages
 (out [T, Hq, D] in q.dtype, k_pages, v_pages).
 
 Algorithm (flash decoding over pages):
-  1. The new k/v are written into the pages by XLA (`write_kv_pages`, in place under
-     donation); the kernel only reads pages.
+  1. The kernel writes the new k/v into the pages itself (the pages are aliased to its
+     outputs, in place under donation): program (t, h, 0) stores token t's row of KV
+     head h. No program reads a row this step writes: positions from the first new
+     token of a sequence on come from the k/v inputs instead (row t + j - pos for
+     position j of token t at position pos). As XLA ops the write took two kernels
+     per layer at batch-1 decode (bench/NOTES.md, ragged paged attention v5).
   2. Grid = (T, Hkv, splits): program (t, h, s) attends token t's G = Hq / Hkv query
      heads of KV head h over split s of the page table's blocks of `block_kv` cache
      positions (a fixed share, so no loaded scalar delays its first loads; with a
@@ -45,7 +49,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxinfer.attention import FP8_KV_DTYPE, AttentionMetadata, token_positions, write_kv_pages
+from jaxinfer.attention import (
+    FP8_KV_DTYPE,
+    AttentionMetadata,
+    quantize_kv,
+    token_positions,
+    zero_page_tails,
+)
 
 MASKED = -1e30  # masked score (base-2 units): exp2(MASKED - m) == 0 for any real m
 LOG2E = math.log2(math.e)
@@ -53,22 +63,39 @@ NUM_SMS = 132  # H100 / H200 SXM: the splits aim for about two programs per SM
 MIN_DOT = 16  # Triton's smallest dot dimension
 
 
-def _attention_kernel(token_seq_ref, token_pos_ref, page_indices_ref, q_ref, k_ref, v_ref, *rest,
-            group: int, rows: int, page_size: int, block_kv: int, num_splits: int,
-            scale: float, sliding_window: int | None, soft_cap: float | None,
-            use_sinks: bool, v_scale: float | None):
+def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_ref, q_ref,
+                      k_ref, v_ref, *rest, group: int, rows: int, page_size: int,
+                      block_kv: int, num_splits: int, scale: float,
+                      sliding_window: int | None, soft_cap: float | None, use_sinks: bool,
+                      v_scale: float | None, write: bool):
     """One (token, KV head, split). q_ref [T, Hkv, G, D]; k_ref / v_ref [num_pages *
-    page_size, Hkv, D]; sinks_ref [Hkv, G] (base-2 logits) if use_sinks; out_ref [T, Hq, D]
-    (one split) or [T, Hkv, splits, rows, D] float32 with lse_ref [T, Hkv, splits, rows]."""
+    page_size, Hkv, D]; if write: k_new_ref / v_new_ref [T, Hkv, D] in the pages' dtype;
+    new_start_ref [T]: the position of the first of this step's tokens of token t's
+    sequence; sinks_ref [Hkv, G] (base-2 logits) if use_sinks. Outputs: out_ref [T, Hq, D]
+    (one split) or [T, Hkv, SP, rows, D] float32 with lse_ref [T, Hkv, SP, rows] (SP:
+    splits rounded up to a power of two); then, if write, k_out_ref / v_out_ref, the
+    pages (aliased to k_ref / v_ref)."""
+    k_new_ref = v_new_ref = sinks_ref = None
+    if write:
+        k_new_ref, v_new_ref, *rest = rest
     if use_sinks:
         sinks_ref, *rest = rest
-    out_ref, lse_ref = (rest[0], None) if num_splits == 1 else rest
+    out_ref, lse_ref = (rest[0], None) if num_splits == 1 else rest[:2]
+    k_out_ref, v_out_ref = rest[-2:] if write else (None, None)  # the pages, aliased
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs, num_pages_per_seq = page_indices_ref.shape
     # One sequence slot (batch-1 decode): no load stands before the page ids.
     seq = 0 if num_seqs == 1 else token_seq_ref[t]
     pos = token_pos_ref[t]  # -1: padding, sees nothing
     head = jnp.minimum(lax.iota(jnp.int32, rows), group - 1)  # rows past G repeat G - 1
+
+    if write:
+        # Program (t, h, 0) stores the token's row (padding tokens store nothing) at the
+        # end; its loads go first, so that they wait on no other load.
+        col = jnp.clip(pos // page_size, 0, num_pages_per_seq - 1)
+        slot = page_indices_ref[seq, col] * page_size + jnp.maximum(pos, 0) % page_size
+        k_row, v_row = k_new_ref[t, h, :], v_new_ref[t, h, :]
+        new_start = new_start_ref[t]  # positions >= this are read from k_new / v_new
 
     end = pos + 1  # the token sees positions [start, end)
     start = 0 if sliding_window is None else jnp.maximum(end - sliding_window, 0)
@@ -104,9 +131,16 @@ def _attention_kernel(token_seq_ref, token_pos_ref, page_indices_ref, q_ref, k_r
         col = jnp.minimum(j // page_size, num_pages_per_seq - 1)
         page = jnp.clip(page_indices_ref[seq, col], 0, k_ref.shape[0] // page_size - 1)
         row = page * page_size + j % page_size
-        k = k_ref[row, h, :].astype(q.dtype)  # [block_kv, D]
-        v = v_ref[row, h, :].astype(q.dtype)
         live = (j >= start) & (j < end)
+        if write:  # this step's rows come from k_new / v_new (token t + j - pos)
+            new = live & (j >= new_start)
+            new_row = jnp.clip(t + j - pos, 0, k_new_ref.shape[0] - 1)
+            k = _gather_rows(k_ref, row, h, live & ~new, k_new_ref, new_row, new, q.dtype)
+            v = _gather_rows(v_ref, row, h, live & ~new, v_new_ref, new_row, new, q.dtype)
+        else:
+            k, v = k_ref[row, h, :].astype(q.dtype), v_ref[row, h, :].astype(q.dtype)
+        # V zeroed out of range: pages may hold NaN there, and 0 * NaN = NaN.
+        v = jnp.where(live[:, None], v, jnp.zeros_like(v))  # [block_kv, D]
         scores = pl_triton.dot(q, k, trans_b=True).astype(jnp.float32)
         if soft_cap is not None:  # cap * tanh(x / cap) in natural units, then base 2
             scores = soft_cap * LOG2E * jnp.tanh(scores * (scale / soft_cap))
@@ -118,7 +152,6 @@ def _attention_kernel(token_seq_ref, token_pos_ref, page_indices_ref, q_ref, k_r
         # wholly outside the token's range.)
         p = jnp.where(live[None, :], jnp.exp2(scores - new_max[:, None]), 0.0)
         alpha = jnp.exp2(row_max - new_max)
-        v = jnp.where(live[:, None], v, jnp.zeros_like(v))
         pv = pl_triton.dot(p.astype(v.dtype), v).astype(jnp.float32)
         return new_max, denom * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
@@ -132,6 +165,20 @@ def _attention_kernel(token_seq_ref, token_pos_ref, page_indices_ref, q_ref, k_r
     else:
         out_ref[t, h, s, :, :] = out
         lse_ref[t, h, s, :] = jnp.where(denom == 0.0, -jnp.inf, row_max + jnp.log2(denom))
+    if write:
+        keep = jnp.full(k_row.shape, (s == 0) & (pos >= 0))
+        pl_triton.store(k_out_ref.at[slot, h, :], k_row, mask=keep)
+        pl_triton.store(v_out_ref.at[slot, h, :], v_row, mask=keep)
+
+
+def _gather_rows(pages_ref, row, h, from_pages, new_ref, new_row, from_new, dtype):
+    """[block_kv, D] of KV head h in dtype: pages_ref[row] where from_pages, new_ref[new_row]
+    where from_new, unspecified elsewhere (masked loads: a row not taken is not read)."""
+    # Every index an array (no slice): interpret mode's masked gather wants that.
+    d = lax.iota(jnp.int32, pages_ref.shape[-1])[None, :]
+    old = pl_triton.load(pages_ref.at[row[:, None], h, d], mask=from_pages[:, None] & (d >= 0))
+    new = pl_triton.load(new_ref.at[new_row[:, None], h, d], mask=from_new[:, None] & (d >= 0))
+    return jnp.where(from_new[:, None], new.astype(dtype), old.astype(dtype))
 
 
 def choose_splits(num_tokens: int, num_kv_heads: int, max_ctx: int, block_kv: int,
@@ -146,22 +193,22 @@ def choose_splits(num_tokens: int, num_kv_heads: int, max_ctx: int, block_kv: in
 
 def _merge_splits_kernel(out_ref, lse_ref, merged_ref, *, group: int, num_splits: int):
     """One query head g of token t, KV head h: its splits' rows merged. out_ref [T, Hkv,
-    splits, rows, D] float32 (normalised per split), lse_ref [T, Hkv, splits, rows] (base
-    2; -inf where a split saw nothing; the sinks already joined split 0's sums) ->
-    merged_ref [T, Hq, D]."""
+    SP, rows, D] float32 (normalised per split; SP = splits rounded up to a power of two,
+    the slots past num_splits unwritten), lse_ref [T, Hkv, SP, rows] (base 2; -inf where a
+    split saw nothing; the sinks already joined split 0's sums) -> merged_ref [T, Hq, D].
+    All splits load at once: a loop over them waited on a load per split."""
     t, h, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    top = lax.fori_loop(0, num_splits, lambda s, m: jnp.maximum(m, lse_ref[t, h, s, g]),
-                        -jnp.inf)
+    split = lax.iota(jnp.int32, lse_ref.shape[2])
+    written = split < num_splits
+    lse = pl_triton.load(lse_ref.at[t, h, split, g], mask=written, other=-jnp.inf)  # [SP]
+    d = lax.iota(jnp.int32, out_ref.shape[-1])[None, :]
+    out = pl_triton.load(out_ref.at[t, h, split[:, None], g, d],
+                         mask=written[:, None] & (d >= 0), other=0.0)  # [SP, D]
+    top = jnp.max(lse)
     top = jnp.where(top == -jnp.inf, 0.0, top)  # no split saw a key (padding): all 0
-
-    def add(s, carry):
-        acc, denom = carry
-        w = jnp.exp2(lse_ref[t, h, s, g] - top)
-        return acc + w * out_ref[t, h, s, g, :], denom + w
-
-    acc, denom = lax.fori_loop(0, num_splits, add,
-                               (jnp.zeros(out_ref.shape[-1:], jnp.float32), 0.0))
-    merged = acc / jnp.where(denom == 0.0, 1.0, denom)
+    w = jnp.exp2(lse - top)
+    denom = jnp.sum(w)
+    merged = jnp.sum(w[:, None] * out, axis=0) / jnp.where(denom == 0.0, 1.0, denom)
     merged_ref[t, h * group + g, :] = merged.astype(merged_ref.dtype)
 
 
@@ -171,14 +218,15 @@ def ragged_paged_attention_gpu(
     sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
     block_kv: int | None = None, num_splits: int | None = None,
 ):
-    """Writes k/v into the pages and attends with the Pallas GPU kernel (module doc).
+    """Writes k/v into the pages and attends, in the Pallas GPU kernel (module doc).
     `block_kv` / `num_splits` override the defaults (benchmarks, tests)."""
-    k_pages, v_pages = write_kv_pages(k, v, k_pages, v_pages, md, k_scale=k_scale,
-                                      v_scale=v_scale)
-    out = attend_pages_gpu(q, k_pages, v_pages, md, sm_scale=sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                           k_scale=k_scale, v_scale=v_scale, block_kv=block_kv,
-                           num_splits=num_splits)
+    new_kv = (quantize_kv(k, k_pages.dtype, k_scale), quantize_kv(v, v_pages.dtype, v_scale))
+    out, k_pages, v_pages = attend_pages_gpu(
+        q, k_pages, v_pages, md, new_kv=new_kv, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
+        v_scale=v_scale, block_kv=block_kv, num_splits=num_splits)
+    if md.zero_tails:
+        k_pages, v_pages = zero_page_tails(k_pages, v_pages, md)
     return out, k_pages, v_pages
 
 
@@ -186,12 +234,14 @@ def ragged_paged_attention_gpu(
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "k_scale", "v_scale", "block_kv", "num_splits"))
 def attend_pages_gpu(
-    q, k_pages, v_pages, md: AttentionMetadata, *,
+    q, k_pages, v_pages, md: AttentionMetadata, *, new_kv=None,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
     block_kv: int | None = None, num_splits: int | None = None,
 ):
-    """The attention half: pages that already hold this step's k/v -> out [T, Hq, D]."""
+    """The kernel: -> (out [T, Hq, D], k_pages, v_pages). new_kv: this step's (k, v) [T, Hkv,
+    D] in the pages' dtype, which the kernel writes into the pages; None: the pages hold
+    them already (benchmarks of the attention alone), and are returned as they are."""
     if (reason := unsupported_reason(q, k_pages)) is not None:
         raise ValueError(f"pallas gpu attention: {reason}")
     T, Hq, D = q.shape
@@ -208,36 +258,49 @@ def attend_pages_gpu(
 
     token_seq, token_pos, valid = token_positions(md, T)
     token_pos = jnp.where(valid, token_pos, -1)
+    # The position of the first of this step's tokens of each token's sequence.
+    new_start = token_pos - (jnp.arange(T, dtype=jnp.int32) - md.cu_q_lens[token_seq])
     scale = sm_scale * (k_scale if (fp8 and k_scale is not None) else 1.0)
-    args = [token_seq, token_pos, md.page_indices, q.reshape(T, Hkv, G, D),
-            k_pages.reshape(num_pages * page_size, Hkv, D),
-            v_pages.reshape(num_pages * page_size, Hkv, D)]
+    pages_shape = (num_pages * page_size, Hkv, D)
+    args = [token_seq, token_pos, new_start, md.page_indices, q.reshape(T, Hkv, G, D),
+            k_pages.reshape(pages_shape), v_pages.reshape(pages_shape)]
+    if new_kv is not None:
+        args += list(new_kv)
     if sinks is not None:
         args.append((sinks.astype(jnp.float32) * LOG2E).reshape(Hkv, G))
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((T, Hq, D), q.dtype)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((T, Hkv, splits, rows, D), jnp.float32),
-                     jax.ShapeDtypeStruct((T, Hkv, splits, rows), jnp.float32)]
+        sp = pl.next_power_of_2(splits)  # the merge loads them as one block
+        out_shape = [jax.ShapeDtypeStruct((T, Hkv, sp, rows, D), jnp.float32),
+                     jax.ShapeDtypeStruct((T, Hkv, sp, rows), jnp.float32)]
+    aliases = {}
+    if new_kv is not None:  # the pages, written in place
+        aliases = {5: len(out_shape), 6: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(pages_shape, k_pages.dtype)] * 2
     kernel = functools.partial(
         _attention_kernel, group=G, rows=rows, page_size=page_size, block_kv=block_kv,
         num_splits=splits, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        use_sinks=sinks is not None, v_scale=v_scale if fp8 else None)
+        use_sinks=sinks is not None, v_scale=v_scale if fp8 else None,
+        write=new_kv is not None)
     results = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(T, Hkv, splits),
+        kernel, out_shape=out_shape, grid=(T, Hkv, splits), input_output_aliases=aliases,
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         interpret=jax.default_backend() != "gpu",
     )(*args)
+    if new_kv is not None:
+        k_pages, v_pages = (x.reshape(k_pages.shape) for x in results[-2:])
     if splits == 1:
-        return results[0]
+        return results[0], k_pages, v_pages
     # The splits merged by a second kernel, a program per query head (as XLA ops the
     # merge took two kernels: bench/NOTES.md, ragged paged attention v4).
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_merge_splits_kernel, group=G, num_splits=splits),
         out_shape=jax.ShapeDtypeStruct((T, Hq, D), q.dtype), grid=(T, Hkv, G),
         compiler_params=pl_triton.CompilerParams(num_warps=1, num_stages=2),
         interpret=jax.default_backend() != "gpu",
-    )(*results)
+    )(*results[:2])
+    return out, k_pages, v_pages
 
 
 def unsupported_reason(q, k_pages) -> str | None:
