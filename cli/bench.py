@@ -116,9 +116,11 @@ def kernels(backend, small, json_path, record, profile, plot):
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--input-len", type=int, default=128, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed runs after the compiling one; the report gives their medians.")
 def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
             decode_steps, page_size, json_path, record, profile, mesh, batch, input_len,
-            output_len):
+            output_len, repeats):
     """Time to first token and per-token decode time."""
     from jaxinfer.bench import bench_latency
 
@@ -126,7 +128,7 @@ def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batche
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, page_size, mesh)
     with _profiled(profile):
-        r, rows = bench_latency(llm, input_len, output_len, batch, ceilings)
+        r, rows = bench_latency(llm, input_len, output_len, batch, ceilings, repeats=repeats)
     headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
                 f"{r['tokens_per_s']:.1f} tokens/s (batch {batch}, in {input_len}, "
                 f"out {output_len}, weights {r['weight_bytes'] / 1e9:.2f} GB)")

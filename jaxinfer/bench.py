@@ -182,8 +182,10 @@ def weight_count(model, active: bool = False) -> int:
 
 
 def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ceilings,
-                  seed: int = 0) -> tuple[dict, list[dict]]:
-    """Time to first token and per-token decode time for `batch` prompts of input_len tokens."""
+                  seed: int = 0, repeats: int = 3) -> tuple[dict, list[dict]]:
+    """Time to first token and per-token decode time for `batch` prompts of input_len tokens:
+    the medians of `repeats` timed runs (one run of 128 tokens varied by ~5% at batch-1
+    decode on the H200: bench/RESULTS.md, fourteenth session)."""
     c = llm.config
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -204,7 +206,8 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
         return ttft, decode / max(output_len - 1, 1)
 
     run()  # compile every bucket this shape touches
-    ttft, itl = run()
+    runs = [run() for _ in range(repeats)]
+    ttft, itl = (statistics.median(x) for x in zip(*runs, strict=True))
     w_bytes = weight_bytes(llm.model, tokens=batch)  # MoE: the experts a step hits
     itemsize = llm.model.embed.embedding.dtype.itemsize
     kv_token = c.kv_bytes_per_token(itemsize)
@@ -214,7 +217,7 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
     step_flops = 2 * weight_count(llm.model, active=True) * batch + attn_flops
     summary = {"batch": batch, "input_len": input_len, "output_len": output_len,
                "ttft_ms": ttft * 1e3, "itl_ms": itl * 1e3, "tokens_per_s": batch / itl,
-               "weight_bytes": w_bytes}
+               "itl_ms_runs": [r[1] * 1e3 for r in runs], "weight_bytes": w_bytes}
     devices = llm.runner.mesh.size  # a sharded model streams from all its devices at once
     summary["devices"] = devices
     rows = [roofline(f"decode step B={batch} (ctx ~{mid_ctx}, {devices} device"
