@@ -73,7 +73,9 @@ def ours(config=None, **kw):
 
 
 def pallas_gpu(**kw):
-    """The Pallas GPU (Triton) kernel over the pages; k/v are not written."""
+    """The Pallas GPU (Triton) kernel over the pages; k/v are not written (its no-write
+    branch: one load per block, where the engine's call also gathers this step's rows
+    from k/v)."""
     return jax.jit(lambda q, k, v, kp, vp, md: attend_pages_gpu(
         q, kp, vp, md, sm_scale=D ** -0.5, **kw)[0])
 

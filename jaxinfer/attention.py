@@ -16,8 +16,9 @@ Layouts (shared by every backend):
 
 Token i of sequence s sits at position kv_lens[s] - q_len[s] + i, and attends
 causally to cache positions <= its own (so chunked prefill and prefix-cache
-hits work). The new k/v are written into the pages before attending, and the
-updated pages are returned (callers donate them so the update is in place).
+hits work). The new k/v are written into the pages (before attending, or by the
+kernel itself, which then reads this step's positions from k/v), and the updated
+pages are returned (callers donate them so the update is in place).
 
 Options: `sliding_window` (a token sees the last `sliding_window` positions,
 itself included), `soft_cap` (scores -> cap * tanh(scores / cap)), `sinks` [Hq]
@@ -50,7 +51,7 @@ from jaxinfer.sharding import P, shard_map_logical
 class AttentionMetadata:
     """Describes a ragged batch (see the module docstring for shapes).
 
-    zero_tails (static): whether `write_kv_pages` zeroes each sequence's last-page tail;
+    zero_tails (static): whether the write zeroes each sequence's last-page tail;
     False inside a multi-step decode, whose slots `zero_decode_slots` zeroed up front.
     scratch_page (static): the pages' last page is a scratch page that no sequence reads
     (the runner's), where `write_kv_pages` may put a padding token's k/v.

@@ -186,6 +186,8 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
     """Time to first token and per-token decode time for `batch` prompts of input_len tokens:
     the medians of `repeats` timed runs (one run of 128 tokens varied by ~5% at batch-1
     decode on the H200: bench/RESULTS.md, fourteenth session)."""
+    if repeats < 1:
+        raise ValueError(f"repeats {repeats}: at least 1 timed run required")
     c = llm.config
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

@@ -8,10 +8,14 @@ layouts in that module's docstring): q [T, Hq, D], k / v [T, Hkv, D], pages
 Algorithm (flash decoding over pages):
   1. The kernel writes the new k/v into the pages itself (the pages are aliased to its
      outputs, in place under donation): program (t, h, 0) stores token t's row of KV
-     head h. No program reads a row this step writes: positions from the first new
-     token of a sequence on come from the k/v inputs instead (row t + j - pos for
-     position j of token t at position pos). As XLA ops the write took two kernels
-     per layer at batch-1 decode (bench/NOTES.md, ragged paged attention v5).
+     head h after its attention. The programs run at once, so none reads a row this
+     step writes: positions from the first new token of a sequence on come from the
+     k/v inputs instead (row t + j - pos for position j of token t at position pos).
+     (This assumes a sequence's pages are its own below kv_len, as the engine's are;
+     only the runner's warm-up steps repeat the scratch page, and discard the output.)
+     As XLA ops the write took two kernels per layer at batch-1 decode; the slots past
+     kv_len in a last page are still zeroed by XLA after the kernel where md.zero_tails
+     (not inside the multi-step decode loop, which zeroes them up front).
   2. Grid = (T, Hkv, splits): program (t, h, s) attends token t's G = Hq / Hkv query
      heads of KV head h over split s of the page table's blocks of `block_kv` cache
      positions (a fixed share, so no loaded scalar delays its first loads; with a
@@ -19,11 +23,12 @@ Algorithm (flash decoding over pages):
      causal range. The G heads are
      the rows of a [GP, D] x [D, block_kv] product (GP = G rounded up to a power of two
      >= 16, the smallest dot Triton takes; the extra rows repeat head G - 1).
-  3. Each block gathers its rows straight from the pages: position j of the sequence
-     lives at row page_indices[seq, j // page_size] * page_size + j % page_size of the
-     pages viewed as [num_pages * page_size, Hkv, D]. Positions outside the token's
-     range are masked in the scores and zeroed in V (pages may hold NaN there, and
-     0 * NaN = NaN in the PV product).
+  3. Each block gathers its rows straight from the pages (or, for this step's
+     positions, from k/v): position j of the sequence lives at row page_indices[seq,
+     j // page_size] * page_size + j % page_size of the pages viewed as [num_pages *
+     page_size, Hkv, D]. Positions outside the token's range are not loaded (masked
+     loads), masked in the scores and zeroed in V (a masked load's value is
+     unspecified, and 0 * NaN = NaN in the PV product).
   4. Online softmax in base 2, float32. A sink is a virtual key with logit sinks[h]
      and value 0: split 0 starts its running max / denominator from it.
   5. One split: the program writes q.dtype rows straight into out [T, Hq, D]. Several:
@@ -68,10 +73,10 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
                       block_kv: int, num_splits: int, scale: float,
                       sliding_window: int | None, soft_cap: float | None, use_sinks: bool,
                       v_scale: float | None, write: bool):
-    """One (token, KV head, split). q_ref [T, Hkv, G, D]; k_ref / v_ref [num_pages *
+    """One (token, KV head, split). new_start_ref [T]: the position of the first of this
+    step's tokens of token t's sequence; q_ref [T, Hkv, G, D]; k_ref / v_ref [num_pages *
     page_size, Hkv, D]; if write: k_new_ref / v_new_ref [T, Hkv, D] in the pages' dtype;
-    new_start_ref [T]: the position of the first of this step's tokens of token t's
-    sequence; sinks_ref [Hkv, G] (base-2 logits) if use_sinks. Outputs: out_ref [T, Hq, D]
+    sinks_ref [Hkv, G] (base-2 logits) if use_sinks. Outputs: out_ref [T, Hq, D]
     (one split) or [T, Hkv, SP, rows, D] float32 with lse_ref [T, Hkv, SP, rows] (SP:
     splits rounded up to a power of two); then, if write, k_out_ref / v_out_ref, the
     pages (aliased to k_ref / v_ref)."""

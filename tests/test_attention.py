@@ -191,6 +191,48 @@ def test_pallas_gpu_configs(name, config, platform):
         kernel.attend_pages_gpu = orig
 
 
+@pytest.mark.parametrize("config", ["one_split", "split3"])
+@pytest.mark.parametrize("name", ["mixed", "window_cap_sinks"])
+def test_pallas_gpu_reads_no_row_its_step_writes(name, config, monkeypatch):
+    """The Pallas GPU kernel stores this step's k/v rows while its other programs attend;
+    on a GPU they run at once, so none may read one of those rows from the pages. Interpret
+    mode runs the programs in turn (a later one would see an earlier store), so here the
+    stores write NaN: the outputs match the oracle only if every program took this step's
+    rows from the k/v inputs."""
+    from types import SimpleNamespace
+
+    from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as kernel
+
+    real = kernel.pl_triton
+
+    def poisoned_store(ref, val, **kw):
+        return real.store(ref, jnp.full_like(val, jnp.nan), **kw)
+
+    monkeypatch.setattr(kernel, "pl_triton", SimpleNamespace(
+        **{**{n: getattr(real, n) for n in dir(real) if not n.startswith("_")},
+           "store": poisoned_store}))
+    case = dataclasses.replace(CASES[name], dtype="bfloat16")
+    b = build(case)
+    block_kv, num_splits = PALLAS_GPU_CONFIGS[config]
+    md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
+    q, k, v, kp, vp = (jnp.asarray(b[n], jnp.bfloat16)
+                       for n in ("q", "k", "v", "k_pages", "v_pages"))
+    sinks = None if b["sinks"] is None else jnp.asarray(b["sinks"])
+    kernel.attend_pages_gpu.clear_cache()  # trace afresh with the poisoned store
+    try:
+        out, kp, vp = jax.jit(functools.partial(
+            kernel.ragged_paged_attention_gpu, sm_scale=case.d ** -0.5,
+            sliding_window=case.sliding_window, soft_cap=case.soft_cap, block_kv=block_kv,
+            num_splits=num_splits))(q, k, v, kp, vp, md, sinks=sinks)
+    finally:
+        kernel.attend_pages_gpu.clear_cache()
+    live = np.asarray(out.astype(jnp.float32))[:b["live_tokens"]]
+    np.testing.assert_allclose(live, oracle(case, b), rtol=2e-2, atol=2e-2)
+    written = expected_pages(case, b)[2]
+    assert np.isnan(np.asarray(kp.astype(jnp.float32))[written]).all()  # the stores ran
+    assert np.isnan(np.asarray(vp.astype(jnp.float32))[written]).all()
+
+
 @pytest.mark.parametrize("num_ctas", [1, 3, 7, 200])
 def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
     """The persistent kernel's item lists: every item of an entry with tokens exactly once,
