@@ -26,9 +26,9 @@ Algorithm (flash decoding over pages):
   3. Each block gathers its rows straight from the pages (or, for this step's
      positions, from k/v): position j of the sequence lives at row page_indices[seq,
      j // page_size] * page_size + j % page_size of the pages viewed as [num_pages *
-     page_size, Hkv, D]. Positions outside the token's range are not loaded (masked
-     loads), masked in the scores and zeroed in V (a masked load's value is
-     unspecified, and 0 * NaN = NaN in the PV product).
+     page_size, Hkv, D]. Positions outside the token's range are masked in the scores
+     and zeroed in V (pages may hold NaN there, and so may a masked load, which the
+     writing form uses: 0 * NaN = NaN in the PV product).
   4. Online softmax in base 2, float32. A sink is a virtual key with logit sinks[h]
      and value 0: split 0 starts its running max / denominator from it.
   5. One split: the program writes q.dtype rows straight into out [T, Hq, D]. Several:
