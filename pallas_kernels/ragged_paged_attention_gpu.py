@@ -179,7 +179,8 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
 def _gather_rows(pages_ref, row, h, from_pages, new_ref, new_row, from_new, dtype):
     """[block_kv, D] of KV head h in dtype: pages_ref[row] where from_pages, new_ref[new_row]
     where from_new, unspecified elsewhere (masked loads: a row not taken is not read)."""
-    # Every index an array (no slice): interpret mode's masked gather wants that.
+    # Every index an array (no slice): interpret mode's masked gather wants that. The
+    # masks' `& (d >= 0)` (always true) broadcasts them from [block_kv, 1] to [block_kv, D].
     d = lax.iota(jnp.int32, pages_ref.shape[-1])[None, :]
     old = pl_triton.load(pages_ref.at[row[:, None], h, d], mask=from_pages[:, None] & (d >= 0))
     new = pl_triton.load(new_ref.at[new_row[:, None], h, d], mask=from_new[:, None] & (d >= 0))
@@ -206,7 +207,7 @@ def _merge_splits_kernel(out_ref, lse_ref, merged_ref, *, group: int, num_splits
     split = lax.iota(jnp.int32, lse_ref.shape[2])
     written = split < num_splits
     lse = pl_triton.load(lse_ref.at[t, h, split, g], mask=written, other=-jnp.inf)  # [SP]
-    d = lax.iota(jnp.int32, out_ref.shape[-1])[None, :]
+    d = lax.iota(jnp.int32, out_ref.shape[-1])[None, :]  # (d >= 0: a mask of [SP, D])
     out = pl_triton.load(out_ref.at[t, h, split[:, None], g, d],
                          mask=written[:, None] & (d >= 0), other=0.0)  # [SP, D]
     top = jnp.max(lse)
