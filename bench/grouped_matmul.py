@@ -21,7 +21,11 @@ Columns:
                matmul rate), both ceilings measured in this run (`measure_ceilings`)
   ours         `grouped_matmul(..., implementation="mosaic_gpu")` (jitted), checked first
                against the XLA reference on the same inputs: "err" is max |ours - ref| /
-               max |ref| (FAIL above 2e-2)
+               max |ref| (FAIL above 2e-2). Beyond RANK_SORT_MAX_PAIRS rows it gets the
+               rows as the MoE layer lays them out for prefill (`moe._align_groups`):
+               each expert's group padded to a multiple of 8 rows, `groups_aligned=True`
+               (rows column: "aligned, R" = the layout's static row count); the floor and
+               the peers keep the real rows
   ragged_dot   XLA's `ragged_dot_general` (the reference; on GPU a dense, zero-padded dot
                over all experts: E times the FLOPs). Skipped when that dense dot would take
                longer than --xla-max-seconds at the measured matmul rate.
@@ -48,7 +52,8 @@ import numpy as np
 from quantized_matmul import Cell, Rotating, disagreement, short  # bench/ helpers
 
 from jaxinfer.bench import measure_ceilings, median_seconds
-from jaxinfer.grouped_matmul import grouped_matmul
+from jaxinfer.grouped_matmul import GROUP_ALIGN, grouped_matmul
+from jaxinfer.models.moe import RANK_SORT_MAX_PAIRS
 
 MODELS = {  # name: (experts, top_k, hidden, expert intermediate)
     "qwen3": ("qwen3-30b-a3b", 128, 8, 2048, 768),
@@ -144,6 +149,8 @@ def main():
     print("\n".join(header), flush=True)
 
     ours = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu"))
+    ours_aligned = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu",
+                                             groups_aligned=True))
     ref = jax.jit(functools.partial(grouped_matmul, implementation="reference"))
 
     def timed(label, fn, arg_sets) -> Cell:
@@ -203,19 +210,30 @@ def main():
                 hit = float(np.mean([(s > 0).sum() for s in sizes]))
                 x = jax.random.normal(jax.random.fold_in(wkey, t), (m, k), jnp.bfloat16)
                 arg_sets = [(x, w, jnp.asarray(s)) for s in sizes]
+                aligned = m > RANK_SORT_MAX_PAIRS  # the MoE layer's prefill layout
+                if aligned:
+                    r = -(-(m + (GROUP_ALIGN - 1) * min(e, m)) // GROUP_ALIGN) * GROUP_ALIGN
+                    x_al = jax.random.normal(jax.random.fold_in(wkey, t + 1), (r, k),
+                                             jnp.bfloat16)
+                    our_sets = [(x_al, w, jnp.asarray(-(-s // GROUP_ALIGN) * GROUP_ALIGN))
+                                for s in sizes]
+                    our_fn, rows_text = ours_aligned, f"{m} (aligned, {r})"
+                else:
+                    our_sets, our_fn, rows_text = arg_sets, ours, f"{m}"
                 bytes_hit = hit * n * k * 2
                 bw_floor = bytes_hit / c.copy_bytes_per_s
                 flop_floor = 2 * m * n * k / c.matmul_flops_per_s
                 label = f"{name} {proj} tokens={t}"
                 try:
-                    want = ref(*arg_sets[0]) if gpu or e * m * n * k < 1e10 else None
+                    want, want_ours = ((ref(*arg_sets[0]), ref(*our_sets[0]))
+                                       if gpu or e * m * n * k < 1e10 else (None, None))
                 except Exception as ex:  # noqa: BLE001
                     print(f"    {label} reference: {short(ex, 300)}", flush=True)
-                    want = None
-                if want is None:
-                    cell_ours, err = timed(f"{label} ours", ours, arg_sets), "no ref"
+                    want = want_ours = None
+                if want_ours is None:
+                    cell_ours, err = timed(f"{label} ours", our_fn, our_sets), "no ref"
                 else:
-                    cell_ours, err = checked(f"{label} ours", ours, arg_sets, want)
+                    cell_ours, err = checked(f"{label} ours", our_fn, our_sets, want_ours)
                 dense_s = 2 * e * m * n * k / c.matmul_flops_per_s
                 if dense_s > a.xla_max_seconds:
                     cell_xla = Cell(note=f"skipped (dense: ~{dense_s:.0f} s)")
@@ -226,10 +244,11 @@ def main():
                 if a.sweep and gpu:
                     from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu
 
-                    for cfg in sweep_configs(x, w):
-                        fn = jax.jit(functools.partial(grouped_matmul_mgpu, config=cfg))
-                        checked(f"{label} sweep {cfg}", fn, arg_sets, want)
-                rows.append(dict(shape=title, tokens=t, rows=m, hit=hit,
+                    for cfg in sweep_configs(our_sets[0][0], w):
+                        fn = jax.jit(functools.partial(grouped_matmul_mgpu, config=cfg,
+                                                       groups_aligned=aligned))
+                        checked(f"{label} sweep {cfg}", fn, our_sets, want_ours)
+                rows.append(dict(shape=title, tokens=t, rows=rows_text, hit=hit,
                                  floor_s=max(bw_floor, flop_floor),
                                  floor_kind="bw" if bw_floor >= flop_floor else "flop",
                                  ours=cell_ours, xla=cell_xla, mgpu=cell_mgpu, err=err))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.grouped_matmul import RowGroups, grouped_matmul, swiglu_halves
+from jaxinfer.grouped_matmul import GROUP_ALIGN, RowGroups, grouped_matmul, swiglu_halves
 from jaxinfer.models.layers import MLP, Linear, RMSNorm
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
@@ -38,11 +38,13 @@ from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 class ExpertRows(NamedTuple):
     """The grouped matmuls' rows: group_sizes [L] int32, expert [M] int32 (each row's
     expert; L: none), groups, each row's group span (`RowGroups`) where the sort gave it
-    (decode steps), else None, and whether the rows are sorted by expert (static)."""
+    (decode steps), else None, whether the rows are sorted by expert, and whether each
+    group's size is a multiple of GROUP_ALIGN rows (`_align_groups`; both static)."""
     group_sizes: jax.Array
     expert: jax.Array
     groups: RowGroups | None
     sorted: bool = True
+    aligned: bool = False
 
 
 class ExpertLinear(Linear):
@@ -62,7 +64,8 @@ class ExpertLinear(Linear):
         partial sums, and only the first shard adds the bias."""
         w = self.quantized_weight() if self.quantized else self.weight[...]
         y = grouped_matmul(x_rows, w, rows.group_sizes, row_groups=rows.groups,
-                           swiglu=swiglu, rows_sorted=rows.sorted)
+                           swiglu=swiglu, rows_sorted=rows.sorted,
+                           groups_aligned=rows.aligned)
         if self.bias is not None:
             e = self.bias.shape[0]
             bias = self.bias[...][jnp.minimum(rows.expert, e - 1)].astype(jnp.float32)
@@ -233,6 +236,10 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     local = expert_ids - shard_index("experts") * num_local
     valid = (local >= 0) & (local < num_local)
     local = jnp.where(valid, local, num_local).reshape(-1)
+    # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
+    group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
+                          dtype=jnp.int32)
+    aligned = False
     if T == 1:
         # One token (batch-1 decode): its k experts differ, so each pair is a group of one
         # row, and the rows stay in the router's order (the grouped matmul takes groups in
@@ -242,10 +249,11 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     else:
         order, row_local, pair_row, row_groups = _sort_pairs(local, num_local)
         rows_sorted = True
-    # Counts as a compare-and-sum (fuses with its neighbours; a scatter-add would not).
-    group_sizes = jnp.sum(local[:, None] == jnp.arange(num_local)[None, :], axis=0,
-                          dtype=jnp.int32)
-    rows = ExpertRows(group_sizes, row_local, row_groups, rows_sorted)
+        if row_groups is None:  # many pairs (prefill): each group on an 8-row boundary
+            order, row_local, pair_row, group_sizes = _align_groups(pair_row, local,
+                                                                    group_sizes)
+            aligned = True
+    rows = ExpertRows(group_sizes, row_local, row_groups, rows_sorted, aligned)
     weights = jnp.where(valid, weights, 0.0)  # pairs routed elsewhere carry weight 0
     if T == 1 and experts.fused_swiglu:
         # One token: its rows' router weights scale the down projection's input (in the
@@ -254,7 +262,7 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
         y_rows = experts(x[order // k], rows, weights.reshape(-1)[order])
         return reduce_over(("experts", "mlp"),
                            jnp.sum(y_rows[pair_row.reshape(T, k)].astype(jnp.float32), 1))
-    y_rows = experts(x[order // k], rows)
+    y_rows = experts(x[order // k], rows)  # (an aligned layout's pad rows: never read)
     # Combine: each token sums its k rows times their router weights (a gather, which XLA
     # fuses into the residual add).
     token_rows = y_rows[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
@@ -304,3 +312,34 @@ def _sort_pairs(local: jax.Array, num_local: int):
         return order, sorted_local, pair_row, RowGroups(sorted_local, row_start, row_end)
     pair_row = jnp.zeros((pairs,), jnp.int32).at[order].set(ids, unique_indices=True)
     return order, sorted_local, pair_row, None
+
+
+def _align_groups(pair_row, local, group_sizes):
+    """Spreads the sorted rows so that every group starts on a multiple of GROUP_ALIGN
+    rows: each group's size is rounded up, and the pad rows after a group's own rows are
+    computed like them and never read (vLLM pads its MoE groups to a block the same way).
+
+    Why: the Mosaic grouped matmul then stores its output tiles in whole 8-row tiles
+    through a swizzled shared buffer (`groups_aligned`): Qwen3-30B-A3B's down projection at
+    4096 tokens went from 237 to 203 us (H200, bench/NOTES.md, grouped matmul v9). The
+    layout costs at most GROUP_ALIGN - 1 rows a group (2.7% there) and no extra kernel:
+    the row gathers only take other indices.
+
+    pair_row [P] (each pair's row, sorted by expert), local [P] (each pair's expert; L:
+    routed nowhere), group_sizes [L] -> (order [R]: each row's pair, row_local [R]: each
+    row's expert, pair_row [P], group sizes [L]) of the aligned layout's
+    R = P + (GROUP_ALIGN - 1) * min(L, P) rows (rounded up to GROUP_ALIGN). A pad row
+    holds pair 0 and expert L; the rows routed nowhere stay last, past every group.
+    """
+    pairs, num_local = pair_row.shape[0], group_sizes.shape[0]
+    padded = (group_sizes + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    # How far each group's rows move: the padded sizes before it minus the sizes before it
+    # (group L, routed nowhere, moves by all the padding).
+    shift = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded - group_sizes)])
+    rows = -(-(pairs + (GROUP_ALIGN - 1) * min(num_local, pairs)) // GROUP_ALIGN) * GROUP_ALIGN
+    pair_row = pair_row + shift[local]
+    aligned_order = jnp.zeros((rows,), jnp.int32).at[pair_row].set(
+        jnp.arange(pairs, dtype=jnp.int32), unique_indices=True)
+    aligned_local = jnp.full((rows,), num_local, jnp.int32).at[pair_row].set(
+        local, unique_indices=True)
+    return aligned_order, aligned_local, pair_row, padded

@@ -44,7 +44,11 @@ Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A)
   y[row_start:row_start + rows, n0:n0 + 64]. TMA boxes have static shapes, so the
   `rows` (dynamic) are written as a ladder of power-of-two row boxes (the binary digits
   of `rows`): rows of other experts inside the tile are never written. Zero-tail items
-  load nothing and store zeros the same way.
+  load nothing and store zeros the same way. That transposed store into an unswizzled
+  buffer is bank-conflicted (2-byte stores 128 bytes apart): at 4096 tokens it was ~40% of
+  Qwen3's down projection. With `groups_aligned` (every group size a multiple of 8, the
+  MoE layer's prefill layout) every window starts and ends on an 8-row tile, so the
+  buffer is 128-byte swizzled like the operands and the ladder stops at 8-row boxes.
 - `swiglu` (W = [gate; up] rows, decode sizes): an item streams the same N block of
   the gate and the up rows into two accumulators and stores silu(gate) * up, so the
   activation needs no kernel of its own and [M, 2N'] never goes to memory.
@@ -73,7 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.backend import mosaic_interpret_params
-from jaxinfer.grouped_matmul import RowGroups, in_group_order, swiglu_halves
+from jaxinfer.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order, swiglu_halves
 from jaxinfer.quant import QuantizedWeight
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
@@ -295,7 +299,7 @@ def _row_item(table, row, num_experts: int, padded_m: int, cfg: Config):
 
 def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, ready,
             free, *, cfg: Config, num_experts: int, steps: int, grid: int,
-            row_blocks: int | None, padded_m: int, swiglu: bool):
+            row_blocks: int | None, padded_m: int, swiglu: bool, aligned: bool):
     """table: the item table's ref (`build_items`) when row_blocks is None; else the
     per-row table's refs (`build_row_items`), and row_blocks the N blocks: item i is
     (row, N block) = divmod(i, row_blocks).
@@ -303,7 +307,10 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
     swiglu: each item streams its N block of the gate rows and the same block of the up
     rows (N' = out_ref's width further on) into two accumulators, and stores
     silu(gate) * up; w_smem holds the gate boxes at [.., c] and the up boxes at
-    [.., wgs + c]."""
+    [.., wgs + c].
+
+    aligned: every item's rows start and end on 8-row boundaries of x and of its tile
+    (`groups_aligned`), and o_smem is swizzled: the output boxes are whole 8-row tiles."""
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     wgs, stages, pieces = cfg.compute_wgs, cfg.num_stages, cfg.k_pieces
     halves = 2 if swiglu else 1
@@ -384,7 +391,7 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                                         out_ref.at[pl.ds(dst, box), pl.ds(col0, ROWS)])
 
             done, box = 0, cfg.max_rows
-            while box:
+            while box >= (MIN_WIDTH if aligned else 1):
                 pl.when((rows & box) != 0)(functools.partial(
                     store_box, shift + done, row_start + done, box))
                 done = done + (rows & box)
@@ -416,12 +423,23 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
             grp, n_block, row_start, rows, width, load_start = fields(j)
             col0 = (n_block * wgs + wg) * ROWS
 
+            def store_tile(values, w, shift):
+                """values [ROWS features, w tokens] float32 -> out rows (transposed)."""
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_tile free again
+                o_tile.at[pl.ds(0, w)].transpose((1, 0))[...] = values.astype(o_tile.dtype)
+                plgpu.commit_smem()
+                store_rows(row_start, rows, shift, col0)
+
             @pl.when(grp == num_experts)
             def _zero_tail():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_tile free again
-                o_tile[...] = jnp.zeros(o_tile.shape, o_tile.dtype)
-                plgpu.commit_smem()
-                store_rows(row_start, rows, 0, col0)
+                if aligned:  # (a splat cannot be stored to the swizzled tile)
+                    zeros = jnp.zeros((ROWS, cfg.max_width), jnp.float32)
+                    store_tile(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), cfg.max_width, 0)
+                else:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_tile free again
+                    o_tile[...] = jnp.zeros(o_tile.shape, o_tile.dtype)
+                    plgpu.commit_smem()
+                    store_rows(row_start, rows, 0, col0)
 
             def expert_item(w):
                 accs = pl.run_scoped(functools.partial(mma, g=g, w=w),
@@ -432,10 +450,7 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                 else:
                     (acc,) = accs
                 plgpu.barrier_arrive(free.at[lax.rem(g + steps - 1, stages)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_tile free again
-                o_tile.at[pl.ds(0, w)].transpose((1, 0))[...] = acc.astype(o_tile.dtype)
-                plgpu.commit_smem()
-                store_rows(row_start, rows, row_start - load_start, col0)
+                store_tile(acc, w, row_start - load_start)
 
             for wi, w in enumerate(cfg.widths):  # the item's width only
                 pl.when((grp < num_experts) & (width == wi))(functools.partial(expert_item, w))
@@ -446,16 +461,20 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
 
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
-@functools.partial(jax.jit, static_argnames=("swiglu", "rows_sorted", "config"))
+@functools.partial(jax.jit, static_argnames=("swiglu", "rows_sorted", "groups_aligned",
+                                             "config"))
 def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                         row_groups: RowGroups | None = None, *, swiglu: bool = False,
-                        rows_sorted: bool = True, config: Config | None = None) -> jax.Array:
+                        rows_sorted: bool = True, groups_aligned: bool = False,
+                        config: Config | None = None) -> jax.Array:
     """x [M, K], W [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
     row_groups: the per-row table (`build_row_items`), if the caller has it; rows_sorted
     False: the rows are not in group order (`RowGroups`). swiglu: W
     holds gate rows, then up rows -> silu(gate) * up [M, N / 2]; fused into the kernel's
     epilogue on the per-row path (decode), applied after the kernel otherwise (the two
-    [64, width] accumulators of a prefill tile would not fit the registers)."""
+    [64, width] accumulators of a prefill tile would not fit the registers).
+    groups_aligned: the caller promises group sizes in multiples of 8 rows (the fast
+    epilogue; ignored where M is not a multiple of 8 or the per-row table is used)."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic grouped matmul: {reason}")
     m, k = x.shape
@@ -488,6 +507,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         # The item table walks the rows in group order.
         return in_group_order(lambda x: grouped_matmul_mgpu(x, w, group_sizes, swiglu=swiglu,
                                                             config=config), x, row_groups)
+    # Whole 8-row output tiles (see `_kernel`): every group and the zero tail in them.
+    aligned = groups_aligned and m % GROUP_ALIGN == 0 and not row_items(m, e, cfg)
     if row_items(m, e, cfg):
         items = build_row_items(group_sizes, m) if row_groups is None else row_groups
         row_blocks = n_blocks
@@ -504,13 +525,15 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         plgpu.SMEM((stages, pieces, halves * wgs, ROWS, PIECE), w.dtype,
                    transforms=_swizzled()),
         plgpu.SMEM((stages, pieces, cfg.max_width, PIECE), x.dtype, transforms=_swizzled()),
-        plgpu.SMEM((wgs, cfg.max_width, ROWS), x.dtype),
+        plgpu.SMEM((wgs, cfg.max_width, ROWS), x.dtype,
+                   transforms=_swizzled() if aligned else ()),
         # ready: per piece, a weight box per consumer (and half) and the token rows
         plgpu.Barrier(num_arrivals=(halves * wgs + 1) * pieces, num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
     ]
     kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid,
-                               row_blocks=row_blocks, padded_m=padded_m, swiglu=fused)
+                               row_blocks=row_blocks, padded_m=padded_m, swiglu=fused,
+                               aligned=aligned)
     y = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n_out), x.dtype),

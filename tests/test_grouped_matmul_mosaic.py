@@ -62,14 +62,26 @@ SWIGLU_CASES = [
      Config(max_rows=16, compute_wgs=1, k_pieces=1, num_stages=3, num_ctas=2)),
 ]
 
+# Group sizes in multiples of 8 rows (`groups_aligned`: the MoE layer's prefill layout), so
+# the kernel stores its tiles through the swizzled buffer: windows over several B widths
+# with a joined last window, an empty expert and a zero tail; and x's last window sliding
+# back (M below the widest width).
+ALIGNED_CASES = [
+    ("aligned_windows_tail", 104, 5, 128, 128, [40, 0, 24, 8, 16],
+     Config(max_rows=16, compute_wgs=2, k_pieces=1, num_stages=3, num_ctas=2, last_extra=8)),
+    ("aligned_one_cta", 64, 3, 128, 256, [16, 32, 8],
+     Config(max_rows=32, compute_wgs=1, k_pieces=2, num_stages=2, num_ctas=1)),
+]
 
-def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False):
+
+def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=False):
     rng = np.random.default_rng(0)
     with jax.default_device(jax.devices(platform)[0]):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.bfloat16)
         gs = jnp.asarray(sizes, jnp.int32)
-        got = np.asarray(grouped_matmul_mgpu(x, w, gs, swiglu=swiglu, config=cfg)
+        got = np.asarray(grouped_matmul_mgpu(x, w, gs, swiglu=swiglu, config=cfg,
+                                             groups_aligned=groups_aligned)
                          .astype(jnp.float32))
         want = np.asarray(grouped_matmul_reference(x, w, gs, swiglu=swiglu)
                           .astype(jnp.float32))
@@ -95,6 +107,13 @@ def test_configs_match_reference(name, m, e, n, k, sizes, cfg, platform):
                          ids=[c[0] for c in SWIGLU_CASES])
 def test_swiglu_matches_reference(name, m, e, n, k, sizes, cfg, platform):
     run_case(m, e, n, k, sizes, cfg, platform, swiglu=True)
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name,m,e,n,k,sizes,cfg", ALIGNED_CASES,
+                         ids=[c[0] for c in ALIGNED_CASES])
+def test_aligned_groups_match_reference(name, m, e, n, k, sizes, cfg, platform):
+    run_case(m, e, n, k, sizes, cfg, platform, groups_aligned=True)
 
 
 def _check_items(sizes, m, max_rows, last_extra=0):

@@ -230,3 +230,89 @@ def test_one_token_rows_in_router_order(monkeypatch, live, implementation, platf
     if not live:
         assert (got == 0).all() and (want == 0).all()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_aligned_layout_against_numpy():
+    """Prefill's layout (`_align_groups`): each expert's rows start on a multiple of 8, in
+    sorted order, with its size rounded up to 8; pairs routed nowhere come last; the pad
+    rows hold expert L."""
+    import jaxinfer.models.moe as moe
+
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    for pairs, num_local in [(96, 16), (40, 3), (300, 128)]:
+        local = rng.integers(0, num_local + 1, pairs).astype(np.int32)
+        sizes = np.bincount(local, minlength=num_local + 1)[:num_local]
+        _, _, pair_row, _ = moe._sort_pairs(jnp.asarray(local), num_local)
+        order, row_local, pair_row, padded = (np.asarray(a) for a in moe._align_groups(
+            pair_row, jnp.asarray(local), jnp.asarray(sizes, jnp.int32)))
+        assert (padded % 8 == 0).all() and (padded >= sizes).all() and (padded < sizes + 8).all()
+        nowhere = (local == num_local).sum()
+        assert order.shape[0] % 8 == 0 and order.shape[0] >= padded.sum() + nowhere
+        np.testing.assert_array_equal(order[pair_row], np.arange(pairs))
+        np.testing.assert_array_equal(row_local[pair_row], local)
+        starts = np.concatenate([[0], np.cumsum(padded)])
+        want_row = np.empty(pairs, np.int64)
+        for g in range(num_local + 1):  # each group's pairs, in pair order, from its start
+            mine = np.flatnonzero(local == g)
+            want_row[mine] = starts[g] + np.arange(mine.size)
+        np.testing.assert_array_equal(pair_row, want_row)
+        pads = np.setdiff1d(np.arange(order.shape[0]), pair_row)
+        assert (row_local[pads] == num_local).all()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_prefill_aligned_rows_match_hf(hf_models, monkeypatch, family):
+    """The layout taken beyond RANK_SORT_MAX_PAIRS pairs (each expert's group padded to a
+    multiple of 8 rows, `_align_groups`), forced here at 40 tokens: float32 logits match
+    HF's, and the grouped matmuls are told that the groups are aligned. (gpt-oss: expert
+    biases, gathered for the pad rows too.)"""
+    from transformers import AutoModelForCausalLM
+
+    import jaxinfer.models.moe as moe
+
+    monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 0)
+    seen, real = [], moe.grouped_matmul
+    monkeypatch.setattr(moe, "grouped_matmul", lambda x, w, sizes, **kw: seen.append(
+        (kw["groups_aligned"], x.shape[0])) or real(x, w, sizes, **kw))
+    prompt = np.random.default_rng().integers(2, VOCAB, 40).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(hf_models[family], dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    ours = LLM(hf_models[family], dtype="float32").logits([prompt])[0]
+    assert np.abs(ours - ref).max() <= 1e-4
+    assert seen and all(aligned and rows % 8 == 0 and rows > 40 for aligned, rows in seen)
+
+
+@pytest.mark.parametrize("implementation,platform", [
+    ("mosaic_gpu", "cpu"), pytest.param(None, "gpu", marks=pytest.mark.gpu)])
+def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, platform):
+    """The aligned prefill layout through the Mosaic grouped matmul (interpret mode on the
+    CPU; the default dispatch on the GPU), where it stores whole 8-row tiles: the block
+    matches the same block through jax's `ragged_dot` (the reference)."""
+    import dataclasses
+
+    from flax import nnx
+
+    import jaxinfer.models.moe as moe
+    from jaxinfer.presets import preset_config
+
+    monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 0)
+    config = dataclasses.replace(preset_config("tiny-moe"), hidden_size=128,
+                                 moe_intermediate_size=128)
+    layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
+    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
+                          (40, config.hidden_size)).astype(jnp.bfloat16)
+    real, calls = moe.grouped_matmul, []
+
+    def through(implementation):
+        def call(x, w, sizes, **kw):
+            calls.append(kw["groups_aligned"])
+            return real(x, w, sizes, implementation=implementation, **kw)
+        monkeypatch.setattr(moe, "grouped_matmul", call)
+        with jax.default_device(jax.devices(platform)[0]):
+            return np.asarray(layer(x).astype(jnp.float32))
+
+    want, got = through("reference"), through(implementation)
+    assert calls == [True] * 4
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
