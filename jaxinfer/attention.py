@@ -7,6 +7,9 @@ to end (prefill chunks and single decode tokens mixed). Shapes are static
 Layouts (shared by every backend):
   q            [T, Hq, D]    new query tokens, sequence after sequence
   k, v         [T, Hkv, D]   this step's new keys / values (same order)
+  (or q = the fused projection [T, (Hq + 2 Hkv) * D], columns q | k | v, with k = v =
+  None: the Pallas GPU kernel reads the three from it in place, where slices of it
+  would be copies, a kernel each; other backends split it first, `split_qkv`)
   k_pages      [num_pages, page_size, Hkv, D]   one layer's key cache
   v_pages      [num_pages, page_size, Hkv, D]   one layer's value cache
   cu_q_lens    [S + 1] int32  token offsets: sequence s owns q[cu_q_lens[s]:cu_q_lens[s+1]]
@@ -22,7 +25,9 @@ pages are returned (callers donate them so the update is in place).
 
 Options: `sliding_window` (a token sees the last `sliding_window` positions,
 itself included), `soft_cap` (scores -> cap * tanh(scores / cap)), `sinks` [Hq]
-(one learned logit per head added to the softmax denominator, gpt-oss).
+(one learned logit per head added to the softmax denominator, gpt-oss), `prologue`
+(a `QKPrologue`: q and k arrive as the projections gave them, and become attention's
+q / k by a per-head RMSNorm and RoPE first).
 
 fp8 KV cache: pages of dtype float8_e4m3fn hold k / k_scale (and v / v_scale),
 clipped to the e4m3 range; attention reads them back as page * scale. Scales
@@ -68,6 +73,72 @@ class AttentionMetadata:
 FP8_KV_DTYPE = jnp.float8_e4m3fn
 # Logical axes of a page array (`jaxinfer.sharding`): split over KV heads on a mesh.
 KV_PAGES_AXES = P(None, None, "kv_heads", "head_dim")
+
+
+def rope_tables(positions, inv_freq, attention_factor: float, dtype):
+    """positions [T], inv_freq [D // 2] float32 -> (cos, sin) [T, D] in dtype, scaled by the
+    attention factor: RoPE's rotation of each token (HF's convention: the frequencies twice).
+    Every layer uses the same tables, so XLA computes them once per step."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return ((jnp.cos(emb) * attention_factor).astype(dtype),
+            (jnp.sin(emb) * attention_factor).astype(dtype))
+
+
+def apply_rope(x, cos, sin):
+    """x [T, H, D] rotated by the tables cos / sin [T, D] (`rope_tables`; HF `rotate_half`
+    convention: halves, not pairs)."""
+    # rotate_half(x) = [-x2, x1], as a reverse of the two halves rather than a concatenate:
+    # XLA fuses the reverse into its consumers, where the concatenate ran as a kernel of its
+    # own per layer at batch 1 (bench/NOTES.md, serving engine v4).
+    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    sign = jnp.array([-1, 1], x.dtype)[:, None]
+    rotated = (halves[..., ::-1, :] * sign).reshape(x.shape)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def split_qkv(qkv, num_kv_heads: int, head_dim: int):
+    """The fused projection [T, (Hq + 2 Hkv) * D] (columns q | k | v) -> q [T, Hq, D],
+    k, v [T, Hkv, D]."""
+    heads = qkv.reshape(qkv.shape[0], -1, head_dim)
+    hq = heads.shape[1] - 2 * num_kv_heads
+    return heads[:, :hq], heads[:, hq:hq + num_kv_heads], heads[:, hq + num_kv_heads:]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QKPrologue:
+    """What turns the q / k projections into attention's q / k: an RMSNorm over each head
+    (qk_norm models: Qwen3; q_norm / k_norm None: none), then RoPE at each token's position.
+
+      cos, sin   [T, D]         RoPE's tables for the step's tokens (`rope_tables`), q's dtype
+      q_norm     [D]            the q norm's scale (in q's dtype), or None
+      k_norm     [D]            the k norm's scale, or None
+      eps                       static float: the norms' eps
+
+    `ragged_paged_attention` applies it with XLA before a kernel (`apply`), except where the
+    kernel applies it itself: the Pallas GPU kernel at one token (batch-1 decode), where
+    XLA's three small kernels a layer for it (the sums of squares, q's and k's norm + RoPE)
+    took ~4 us (bench/NOTES.md, ragged paged attention v6).
+    """
+
+    cos: jax.Array
+    sin: jax.Array
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    eps: float = dataclasses.field(default=1e-6, metadata=dict(static=True))
+
+    def apply(self, q, k):
+        """q [T, Hq, D], k [T, Hkv, D] -> (q, k) normed and rotated, in their dtypes."""
+        if self.q_norm is not None:
+            # The sums of squares over q's and k's heads together: one reduction kernel at
+            # decode, not two. Each norm as `models.layers.RMSNorm`: scale * (x / rms(x)).
+            x32 = jnp.concatenate([q, k], axis=1).astype(jnp.float32)
+            inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            hq = q.shape[1]
+            q = self.q_norm * (q.astype(jnp.float32) * inv[:, :hq]).astype(q.dtype)
+            k = self.k_norm * (k.astype(jnp.float32) * inv[:, hq:]).astype(k.dtype)
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
 
 
 def quantize_kv(x, dtype, scale: float | None):
@@ -237,7 +308,7 @@ def ragged_paged_attention(
     q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
-    implementation: str | None = None,
+    prologue: QKPrologue | None = None, implementation: str | None = None,
 ):
     """Writes k/v into the pages and attends. The one place that picks a backend.
 
@@ -252,12 +323,21 @@ def ragged_paged_attention(
         if (impl == "mosaic_gpu" and q.shape[0] <= PALLAS_GPU_MAX_TOKENS
                 and importlib.util.find_spec("jax.experimental.pallas.triton") is not None):
             impl = "pallas_gpu"  # a program per token: few tokens (decode) only
-        if impl in ("mosaic_gpu", "pallas_gpu") and _kernel(impl)[1](q, k_pages) is not None:
+        query = q if k is not None else split_qkv(q, k_pages.shape[2], k_pages.shape[3])[0]
+        if impl in ("mosaic_gpu", "pallas_gpu") and _kernel(impl)[1](query, k_pages):
             impl = "reference"  # e.g. float32 models: the kernels run bf16 / f16
     fn = ragged_paged_attention_reference if impl == "reference" else _kernel(impl)[0]
+    options = {}
+    if impl == "pallas_gpu":  # takes the fused projection, applies the prologue, where it can
+        options["prologue"] = prologue
+    else:
+        if k is None:
+            q, k, v = split_qkv(q, k_pages.shape[2], k_pages.shape[3])
+        if prologue is not None:
+            q, k = prologue.apply(q, k)
     return fn(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale,
               sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-              k_scale=k_scale, v_scale=v_scale)
+              k_scale=k_scale, v_scale=v_scale, **options)
 
 
 # Attention has a fourth implementation: the Pallas kernel's GPU (Triton) lowering

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.attention import AttentionMetadata
+from jaxinfer.attention import AttentionMetadata, rope_tables
 from jaxinfer.config import ModelConfig
 from jaxinfer.linear import linear
-from jaxinfer.models.layers import MLP, Attention, RMSNorm
+from jaxinfer.models.layers import MLP, Attention, RMSNorm, rope_inv_freq
 from jaxinfer.models.moe import MoE
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
@@ -41,9 +41,10 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp.fold_norm_into_router(self.post_attn_norm)
 
-    def __call__(self, x, positions, kv_pages, md):
+    def __call__(self, x, rope, kv_pages, md):
+        """x [T, hidden], rope: RoPE's (cos, sin) tables for the step's tokens."""
         x_in, row_scale = self.input_norm.prepare(x)
-        h, kv_pages = self.attn(x_in, positions, kv_pages, md, row_scale)
+        h, kv_pages = self.attn(x_in, rope, kv_pages, md, row_scale)
         x = x + h
         if isinstance(self.mlp, MoE):  # padding tokens must not route to experts
             live = jnp.arange(x.shape[0]) < md.cu_q_lens[md.num_seqs[0]]
@@ -117,9 +118,11 @@ class Decoder(nnx.Module):
                  md: AttentionMetadata):
         """token_ids, positions [T] int32 -> (hidden [T, hidden_size], updated kv_cache)."""
         x = self.embed(token_ids)
+        # RoPE's tables, once for all layers (per layer they cost a kernel each at decode).
+        rope = rope_tables(positions, *rope_inv_freq(self.config), x.dtype)
         new_cache = []
         for layer, kv_pages in zip(self.layers, kv_cache, strict=True):
-            x, kv_pages = layer(x, positions, kv_pages, md)
+            x, kv_pages = layer(x, rope, kv_pages, md)
             new_cache.append(kv_pages)
         return self.final_norm(x), new_cache
 

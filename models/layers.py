@@ -19,7 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.attention import KV_PAGES_AXES, AttentionMetadata, ragged_paged_attention
+from jaxinfer.attention import (
+    KV_PAGES_AXES,
+    AttentionMetadata,
+    QKPrologue,
+    ragged_paged_attention,
+)
 from jaxinfer.config import ModelConfig
 from jaxinfer.linear import linear
 from jaxinfer.quant import QuantizedWeight
@@ -308,21 +313,6 @@ def rope_inv_freq(config: ModelConfig) -> tuple[jax.Array, float]:
     return inv_freq, attention_factor
 
 
-def apply_rope(x, positions, inv_freq, attention_factor=1.0):
-    """x [T, H, D], positions [T] -> x rotated (HF `rotate_half` convention: halves, not pairs)."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos = (jnp.cos(emb) * attention_factor).astype(x.dtype)[:, None, :]
-    sin = (jnp.sin(emb) * attention_factor).astype(x.dtype)[:, None, :]
-    # rotate_half(x) = [-x2, x1], as a reverse of the two halves rather than a concatenate:
-    # XLA fuses the reverse into its consumers, where the concatenate ran as a kernel of its
-    # own per layer at batch 1 (bench/NOTES.md, serving engine v4).
-    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-    sign = jnp.array([-1, 1], x.dtype)[:, None]
-    rotated = (halves[..., ::-1, :] * sign).reshape(x.shape)
-    return x * cos + rotated * sin
-
-
 class Attention(nnx.Module):
     """GQA attention over the paged KV cache; layer `layer` of the config (its window)."""
 
@@ -363,47 +353,42 @@ class Attention(nnx.Module):
             return [self.qkv_proj]
         return [self.q_proj, self.k_proj, self.v_proj]
 
-    def __call__(self, x, positions, kv_pages, md: AttentionMetadata, row_scale=None):
-        """x [T, hidden] (and its `row_scale`, see RMSNorm.prepare) -> (out, kv_pages)."""
+    def __call__(self, x, rope, kv_pages, md: AttentionMetadata, row_scale=None):
+        """x [T, hidden] (and its `row_scale`, see RMSNorm.prepare), rope: RoPE's (cos, sin)
+        [T, head_dim] for the step's tokens (`rope_tables`) -> (out, kv_pages)."""
         T = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = split_columns(self.qkv_proj(x, row_scale), self.qkv_sizes, "heads")
-        else:
-            q, k, v = (self.q_proj(x, row_scale), self.k_proj(x, row_scale),
-                       self.v_proj(x, row_scale))
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = _norm_heads(self.q_norm, q, self.k_norm, k)
-        inv_freq, rope_factor = rope_inv_freq(self.config)  # constants under jit
-        q = apply_rope(q, positions, inv_freq, rope_factor)
-        k = apply_rope(k, positions, inv_freq, rope_factor)
+        # q/k norms (qk_norm) and RoPE: applied by the attention call (`QKPrologue`), inside
+        # the kernel at batch-1 decode on Hopper.
+        norms = ({} if self.q_norm is None else dict(
+            q_norm=self.q_norm.scale[...], k_norm=self.k_norm.scale[...], eps=self.q_norm.eps))
+        prologue = QKPrologue(*rope, **norms)
         attend = functools.partial(ragged_paged_attention, sm_scale=self.head_dim ** -0.5,
                                    sliding_window=self.sliding_window)
         heads, kv_heads = P("batch", "heads", "head_dim"), P("batch", "kv_heads", "head_dim")
         pages = KV_PAGES_AXES
         sinks = None if self.sinks is None else self.sinks[...]
-        # The kernel runs per device on its heads (and the KV heads they read).
+        if self.qkv_proj is not None:
+            # The fused projection goes to attention whole (each device's columns hold its
+            # q | k | v heads, `fuse_linears`): the one-token kernel reads it in place.
+            qkv = (self.qkv_proj(x, row_scale),)
+            qkv_specs = (P("batch", "heads"),)
+        else:
+            q, k, v = (self.q_proj(x, row_scale), self.k_proj(x, row_scale),
+                       self.v_proj(x, row_scale))
+            qkv = (q.reshape(T, self.num_heads, self.head_dim),
+                   k.reshape(T, self.num_kv_heads, self.head_dim),
+                   v.reshape(T, self.num_kv_heads, self.head_dim))
+            qkv_specs = (heads, kv_heads, kv_heads)
+
+        def local(kp, vp, md, sinks, prologue, *qkv):
+            """The kernel per device, on its heads (and the KV heads they read)."""
+            q, k, v = qkv if len(qkv) == 3 else (qkv[0], None, None)
+            return attend(q, k, v, kp, vp, md, sinks=sinks, prologue=prologue)
+
         out, k_pages, v_pages = shard_map_logical(
-            lambda q, k, v, kp, vp, md, sinks: attend(q, k, v, kp, vp, md, sinks=sinks),
-            (heads, kv_heads, kv_heads, pages, pages, P(), P("heads")), (heads, pages, pages),
-            q, k, v, *kv_pages, md, sinks)
+            local, (pages, pages, P(), P("heads"), P(), *qkv_specs), (heads, pages, pages),
+            *kv_pages, md, sinks, prologue, *qkv)
         return self.o_proj(out.reshape(T, -1)), (k_pages, v_pages)
-
-
-def _norm_heads(q_norm: RMSNorm, q, k_norm: RMSNorm, k):
-    """(q_norm(q), k_norm(k)) for q [T, Hq, D], k [T, Hkv, D], with the per-head sums of
-    squares taken over q and k together: one reduction kernel at decode, not two (both
-    norms have the config's eps)."""
-
-    def local(q, k):  # per device: the concatenation must not cross shards
-        inv = q_norm.inv_rms(jnp.concatenate([q, k], axis=1))  # [T, Hq + Hkv, 1]
-        hq = q.shape[1]
-        return q_norm.scaled(q, inv[:, :hq]), k_norm.scaled(k, inv[:, hq:])
-
-    heads, kv_heads = P("batch", "heads", "head_dim"), P("batch", "kv_heads", "head_dim")
-    return shard_map_logical(local, (heads, kv_heads), (heads, kv_heads), q, k)
 
 
 class MLP(nnx.Module):

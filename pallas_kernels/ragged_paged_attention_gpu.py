@@ -31,7 +31,14 @@ Algorithm (flash decoding over pages):
      writing form uses: 0 * NaN = NaN in the PV product).
   4. Online softmax in base 2, float32. A sink is a virtual key with logit sinks[h]
      and value 0: split 0 starts its running max / denominator from it.
-  5. One split: the program writes q.dtype rows straight into out [T, Hq, D]. Several:
+  5. At one token (batch-1 decode) with pages in q's dtype, the kernel takes q, k and v
+     as the projection gave them: the fused projection's output read in place (its heads
+     q | k | v), and a `QKPrologue` (per-head norm, RoPE) applied to its G query heads and
+     the token's k row. As XLA ops the prologue took three small kernels a layer, and
+     slicing q, k, v out of the projection two more. The one new row of each block is then
+     the program's own k / v row (a select, not a second masked gather). Otherwise XLA
+     splits the projection and applies the prologue first.
+  6. One split: the program writes q.dtype rows straight into out [T, Hq, D]. Several:
      each writes float32 rows normalised over its keys and their log-sum-exp (base
      2), and a second kernel merges them, a program per query head. Padding tokens
      see no keys and come out 0.
@@ -57,7 +64,9 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxinfer.attention import (
     FP8_KV_DTYPE,
     AttentionMetadata,
+    QKPrologue,
     quantize_kv,
+    split_qkv,
     token_positions,
     zero_page_tails,
 )
@@ -72,11 +81,16 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
                       k_ref, v_ref, *rest, group: int, rows: int, page_size: int,
                       block_kv: int, num_splits: int, scale: float,
                       sliding_window: int | None, soft_cap: float | None, use_sinks: bool,
-                      v_scale: float | None, write: bool):
+                      v_scale: float | None, write: bool, kv_head0: tuple[int, int],
+                      prologue: dict | None):
     """One (token, KV head, split). new_start_ref [T]: the position of the first of this
-    step's tokens of token t's sequence; q_ref [T, Hkv, G, D]; k_ref / v_ref [num_pages *
-    page_size, Hkv, D]; if write: k_new_ref / v_new_ref [T, Hkv, D] in the pages' dtype;
-    sinks_ref [Hkv, G] (base-2 logits) if use_sinks. Outputs: out_ref [T, Hq, D]
+    step's tokens of token t's sequence; q_ref [T, H, D] (query heads first: KV head h's
+    are h * G + g); k_ref / v_ref [num_pages * page_size, Hkv, D]; if write: k_new_ref /
+    v_new_ref [T, H', D] in the pages' dtype, KV head h at head kv_head0[0] + h (k) /
+    kv_head0[1] + h (v): separate arrays (kv_head0 = (0, 0)), or q_ref's array again (the
+    fused projection); sinks_ref [Hkv, G] (base-2 logits) if use_sinks; if prologue (T = 1,
+    `_prologue`): cos_ref / sin_ref [T, D], then q_norm_ref / k_norm_ref [D] if it has
+    norms, and q / k_new are the raw projections. Outputs: out_ref [T, Hq, D]
     (one split) or [T, Hkv, SP, rows, D] float32 with lse_ref [T, Hkv, SP, rows] (SP:
     splits rounded up to a power of two); then, if write, k_out_ref / v_out_ref, the
     pages (aliased to k_ref / v_ref)."""
@@ -85,6 +99,12 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
         k_new_ref, v_new_ref, *rest = rest
     if use_sinks:
         sinks_ref, *rest = rest
+    if prologue is not None:
+        cos_ref, sin_ref, *rest = rest
+        norm_refs = (None, None)
+        if prologue["norm"]:
+            *norm_refs, = rest[:2]
+            rest = rest[2:]
     out_ref, lse_ref = (rest[0], None) if num_splits == 1 else rest[:2]
     k_out_ref, v_out_ref = rest[-2:] if write else (None, None)  # the pages, aliased
     t, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -93,14 +113,19 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
     seq = 0 if num_seqs == 1 else token_seq_ref[t]
     pos = token_pos_ref[t]  # -1: padding, sees nothing
     head = jnp.minimum(lax.iota(jnp.int32, rows), group - 1)  # rows past G repeat G - 1
+    one_token = q_ref.shape[0] == 1  # (static) each new row is a token's own
 
     if write:
         # Program (t, h, 0) stores the token's row (padding tokens store nothing) at the
         # end; its loads go first, so that they wait on no other load.
         col = jnp.clip(pos // page_size, 0, num_pages_per_seq - 1)
         slot = page_indices_ref[seq, col] * page_size + jnp.maximum(pos, 0) % page_size
-        k_row, v_row = k_new_ref[t, h, :], v_new_ref[t, h, :]
+        k_head, v_head = kv_head0[0] + h, kv_head0[1] + h
+        k_row, v_row = k_new_ref[t, k_head, :], v_new_ref[t, v_head, :]
         new_start = new_start_ref[t]  # positions >= this are read from k_new / v_new
+        if prologue is not None:  # (T = 1) the k row normed and rotated, as q below
+            k_swap = pl_triton.load(k_new_ref.at[t, k_head, _swapped_d(k_row)])
+            k_row = _prologue(k_row, k_swap, norm_refs[1], cos_ref, sin_ref, t, prologue)
 
     end = pos + 1  # the token sees positions [start, end)
     start = 0 if sliding_window is None else jnp.maximum(end - sliding_window, 0)
@@ -120,7 +145,11 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
         lo = first + s * pl.cdiv(blocks, num_splits)
         hi = jnp.minimum(lo + pl.cdiv(blocks, num_splits), first + blocks)
 
-    q = q_ref[t, h, head, :]  # [rows, D]
+    q_head = h * group + head
+    q = q_ref[t, q_head, :]  # [rows, D]
+    if prologue is not None:
+        q_swap = pl_triton.load(q_ref.at[t, q_head[:, None], _swapped_d(q)[None, :]])
+        q = _prologue(q, q_swap, norm_refs[0], cos_ref, sin_ref, t, prologue)
     if use_sinks:
         sink = sinks_ref[h, head]
         max0 = jnp.where(s == 0, sink, MASKED)
@@ -137,11 +166,17 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
         page = jnp.clip(page_indices_ref[seq, col], 0, k_ref.shape[0] // page_size - 1)
         row = page * page_size + j % page_size
         live = (j >= start) & (j < end)
-        if write:  # this step's rows come from k_new / v_new (token t + j - pos)
+        if write and one_token:  # the one new row (j = pos) is the program's own
+            new = live & (j == pos)
+            k = _select_row(k_ref, row, h, live & ~new, k_row, new, q.dtype)
+            v = _select_row(v_ref, row, h, live & ~new, v_row, new, q.dtype)
+        elif write:  # this step's rows come from k_new / v_new (token t + j - pos)
             new = live & (j >= new_start)
             new_row = jnp.clip(t + j - pos, 0, k_new_ref.shape[0] - 1)
-            k = _gather_rows(k_ref, row, h, live & ~new, k_new_ref, new_row, new, q.dtype)
-            v = _gather_rows(v_ref, row, h, live & ~new, v_new_ref, new_row, new, q.dtype)
+            k = _gather_rows(k_ref, row, h, live & ~new, k_new_ref, new_row, k_head, new,
+                             q.dtype)
+            v = _gather_rows(v_ref, row, h, live & ~new, v_new_ref, new_row, v_head, new,
+                             q.dtype)
         else:
             k, v = k_ref[row, h, :].astype(q.dtype), v_ref[row, h, :].astype(q.dtype)
         # V zeroed out of range: pages may hold NaN there, and 0 * NaN = NaN.
@@ -176,14 +211,49 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
         pl_triton.store(v_out_ref.at[slot, h, :], v_row, mask=keep)
 
 
-def _gather_rows(pages_ref, row, h, from_pages, new_ref, new_row, from_new, dtype):
-    """[block_kv, D] of KV head h in dtype: pages_ref[row] where from_pages, new_ref[new_row]
-    where from_new, unspecified elsewhere (masked loads: a row not taken is not read)."""
+def _swapped_d(x):
+    """[D] int32: (d + D / 2) % D, the halves of a head swapped (RoPE's rotate_half)."""
+    half = x.shape[-1] // 2
+    return (lax.iota(jnp.int32, x.shape[-1]) + half) % x.shape[-1]
+
+
+def _prologue(x, x_swap, norm_ref, cos_ref, sin_ref, t, prologue: dict):
+    """`QKPrologue.apply` on rows x [..., D] of token t (x_swap: the same rows with their
+    halves swapped), rounding to x.dtype where XLA's ops do: RMSNorm (if norm_ref), then
+    RoPE by token t's rows of the tables cos_ref / sin_ref [T, D]."""
+    dtype, f32 = x.dtype, jnp.float32
+    x32, s32 = x.astype(f32), x_swap.astype(f32)
+    if norm_ref is not None:
+        inv = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + prologue["eps"])
+        d = lax.iota(jnp.int32, x.shape[-1])
+        scale, scale_swap = norm_ref[d].astype(f32), norm_ref[_swapped_d(x)].astype(f32)
+        x32 = (scale * (x32 * inv).astype(dtype).astype(f32)).astype(dtype).astype(f32)
+        s32 = (scale_swap * (s32 * inv).astype(dtype).astype(f32)).astype(dtype).astype(f32)
+    cos, sin = cos_ref[t, :].astype(f32), sin_ref[t, :].astype(f32)
+    half = x.shape[-1] // 2
+    sign = jnp.where(lax.iota(jnp.int32, x.shape[-1]) < half, -1.0, 1.0)  # [-x2, x1]
+    rotated = (sign * s32 * sin).astype(dtype).astype(f32)
+    return ((x32 * cos).astype(dtype).astype(f32) + rotated).astype(dtype)
+
+
+def _select_row(pages_ref, row, h, from_pages, new, is_new, dtype):
+    """[block_kv, D] of KV head h in dtype: pages_ref[row] where from_pages, the row `new`
+    [D] where is_new, unspecified elsewhere (a masked load: a row not taken is not read)."""
+    d = lax.iota(jnp.int32, pages_ref.shape[-1])[None, :]
+    old = pl_triton.load(pages_ref.at[row[:, None], h, d], mask=from_pages[:, None] & (d >= 0))
+    return jnp.where(is_new[:, None], new.astype(dtype)[None, :], old.astype(dtype))
+
+
+def _gather_rows(pages_ref, row, h, from_pages, new_ref, new_row, new_head, from_new, dtype):
+    """[block_kv, D] of KV head h in dtype: pages_ref[row] where from_pages, new_ref[new_row,
+    new_head] where from_new, unspecified elsewhere (masked loads: a row not taken is not
+    read)."""
     # Every index an array (no slice): interpret mode's masked gather wants that. The
     # masks' `& (d >= 0)` (always true) broadcasts them from [block_kv, 1] to [block_kv, D].
     d = lax.iota(jnp.int32, pages_ref.shape[-1])[None, :]
     old = pl_triton.load(pages_ref.at[row[:, None], h, d], mask=from_pages[:, None] & (d >= 0))
-    new = pl_triton.load(new_ref.at[new_row[:, None], h, d], mask=from_new[:, None] & (d >= 0))
+    new = pl_triton.load(new_ref.at[new_row[:, None], new_head, d],
+                         mask=from_new[:, None] & (d >= 0))
     return jnp.where(from_new[:, None], new.astype(dtype), old.astype(dtype))
 
 
@@ -222,36 +292,62 @@ def ragged_paged_attention_gpu(
     q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
-    block_kv: int | None = None, num_splits: int | None = None,
+    prologue: QKPrologue | None = None, block_kv: int | None = None,
+    num_splits: int | None = None,
 ):
     """Writes k/v into the pages and attends, in the Pallas GPU kernel (module doc).
-    `block_kv` / `num_splits` override the defaults (benchmarks, tests)."""
-    new_kv = (quantize_kv(k, k_pages.dtype, k_scale), quantize_kv(v, v_pages.dtype, v_scale))
+    `block_kv` / `num_splits` override the defaults (benchmarks, tests). At one token with
+    pages in q's dtype the kernel reads a fused projection (k = v = None) in place and
+    applies the prologue itself; elsewhere XLA splits it and applies the prologue first."""
+    in_kernel = q.shape[0] == 1 and k_pages.dtype == q.dtype
+    if k is None and not in_kernel:
+        q, k, v = split_qkv(q, k_pages.shape[2], k_pages.shape[3])
+    if prologue is not None and not in_kernel:
+        q, k = prologue.apply(q, k)
+        prologue = None
+    if k is None:  # the fused projection: q's array holds the new k and v heads too
+        new_kv, kv_in_q = None, True
+    else:
+        new_kv = (quantize_kv(k, k_pages.dtype, k_scale),
+                  quantize_kv(v, v_pages.dtype, v_scale))
+        kv_in_q = False
     out, k_pages, v_pages = attend_pages_gpu(
-        q, k_pages, v_pages, md, new_kv=new_kv, sm_scale=sm_scale,
+        q, k_pages, v_pages, md, new_kv=new_kv, kv_in_q=kv_in_q, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, k_scale=k_scale,
-        v_scale=v_scale, block_kv=block_kv, num_splits=num_splits)
+        v_scale=v_scale, prologue=prologue, block_kv=block_kv, num_splits=num_splits)
     if md.zero_tails:
         k_pages, v_pages = zero_page_tails(k_pages, v_pages, md)
     return out, k_pages, v_pages
 
 
 # Jitted so that a model's layers share one trace and one lowering of the kernel.
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "k_scale", "v_scale", "block_kv", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("kv_in_q", "sm_scale", "sliding_window",
+                                             "soft_cap", "k_scale", "v_scale", "block_kv",
+                                             "num_splits"))
 def attend_pages_gpu(
-    q, k_pages, v_pages, md: AttentionMetadata, *, new_kv=None,
+    q, k_pages, v_pages, md: AttentionMetadata, *, new_kv=None, kv_in_q: bool = False,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
-    block_kv: int | None = None, num_splits: int | None = None,
+    prologue: QKPrologue | None = None, block_kv: int | None = None,
+    num_splits: int | None = None,
 ):
     """The kernel: -> (out [T, Hq, D], k_pages, v_pages). new_kv: this step's (k, v) [T, Hkv,
     D] in the pages' dtype, which the kernel writes into the pages; None: the pages hold
-    them already (benchmarks of the attention alone), and are returned as they are."""
-    if (reason := unsupported_reason(q, k_pages)) is not None:
+    them already (benchmarks of the attention alone), and are returned as they are.
+    kv_in_q: q is the fused projection [T, (Hq + 2 Hkv) * D] (heads q | k | v), whose k and
+    v heads the kernel writes, in the pages' dtype. prologue: q and the new k are raw
+    projections, normed and rotated in the kernel (one token, pages in q's dtype)."""
+    num_pages, page_size, Hkv, D = k_pages.shape
+    T = q.shape[0]
+    heads = q.reshape(T, -1, D)  # [T, H, D]: the query heads first
+    Hq = heads.shape[1] - (2 * Hkv if kv_in_q else 0)
+    query = jax.ShapeDtypeStruct((T, Hq, D), q.dtype)
+    if (reason := unsupported_reason(query, k_pages)) is not None:
         raise ValueError(f"pallas gpu attention: {reason}")
-    T, Hq, D = q.shape
-    num_pages, page_size, Hkv, _ = k_pages.shape
+    write = new_kv is not None or kv_in_q
+    if prologue is not None and (T != 1 or not write or k_pages.dtype != q.dtype):
+        raise ValueError("pallas gpu attention: the prologue runs in the kernel only at one "
+                         "token, writing its k / v, on pages in q's dtype")
     P = md.page_indices.shape[1]
     G = Hq // Hkv
     rows = max(MIN_DOT, pl.next_power_of_2(G))
@@ -268,12 +364,18 @@ def attend_pages_gpu(
     new_start = token_pos - (jnp.arange(T, dtype=jnp.int32) - md.cu_q_lens[token_seq])
     scale = sm_scale * (k_scale if (fp8 and k_scale is not None) else 1.0)
     pages_shape = (num_pages * page_size, Hkv, D)
-    args = [token_seq, token_pos, new_start, md.page_indices, q.reshape(T, Hkv, G, D),
+    args = [token_seq, token_pos, new_start, md.page_indices, heads,
             k_pages.reshape(pages_shape), v_pages.reshape(pages_shape)]
-    if new_kv is not None:
+    if kv_in_q:  # k and v heads read from q's array, after its query heads
+        args += [heads, heads]
+    elif new_kv is not None:
         args += list(new_kv)
     if sinks is not None:
         args.append((sinks.astype(jnp.float32) * LOG2E).reshape(Hkv, G))
+    if prologue is not None:
+        args += [prologue.cos, prologue.sin]
+        if prologue.q_norm is not None:
+            args += [prologue.q_norm, prologue.k_norm]
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((T, Hq, D), q.dtype)]
     else:
@@ -281,20 +383,22 @@ def attend_pages_gpu(
         out_shape = [jax.ShapeDtypeStruct((T, Hkv, sp, rows, D), jnp.float32),
                      jax.ShapeDtypeStruct((T, Hkv, sp, rows), jnp.float32)]
     aliases = {}
-    if new_kv is not None:  # the pages, written in place
+    if write:  # the pages, written in place
         aliases = {5: len(out_shape), 6: len(out_shape) + 1}
         out_shape += [jax.ShapeDtypeStruct(pages_shape, k_pages.dtype)] * 2
     kernel = functools.partial(
         _attention_kernel, group=G, rows=rows, page_size=page_size, block_kv=block_kv,
         num_splits=splits, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
         use_sinks=sinks is not None, v_scale=v_scale if fp8 else None,
-        write=new_kv is not None)
+        write=write, kv_head0=(Hq, Hq + Hkv) if kv_in_q else (0, 0),
+        prologue=None if prologue is None else dict(
+            norm=prologue.q_norm is not None, eps=prologue.eps))
     results = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(T, Hkv, splits), input_output_aliases=aliases,
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
         interpret=jax.default_backend() != "gpu",
     )(*args)
-    if new_kv is not None:
+    if write:
         k_pages, v_pages = (x.reshape(k_pages.shape) for x in results[-2:])
     if splits == 1:
         return results[0], k_pages, v_pages

@@ -20,7 +20,9 @@ from attention_cases import CASES, Case, build, expected_pages, oracle
 from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
 
 
-def run(case: Case, b, implementation: str = "reference"):
+def run(case: Case, b, implementation: str = "reference", prologue=None, fused=False):
+    """The case through `ragged_paged_attention`; fused: q, k, v as one projection
+    [T, (Hq + 2 Hkv) * D] (k = v = None)."""
     fn = jax.jit(functools.partial(
         ragged_paged_attention, sm_scale=case.d ** -0.5, sliding_window=case.sliding_window,
         soft_cap=case.soft_cap, k_scale=case.k_scale, v_scale=case.v_scale,
@@ -29,9 +31,11 @@ def run(case: Case, b, implementation: str = "reference"):
     dt = jnp.dtype(case.dtype)
     kv_dt = jnp.dtype(case.kv_dtype or case.dtype)
     sinks = None if b["sinks"] is None else jnp.asarray(b["sinks"])
-    out, kp, vp = fn(
-        jnp.asarray(b["q"], dt), jnp.asarray(b["k"], dt), jnp.asarray(b["v"], dt),
-        jnp.asarray(b["k_pages"], kv_dt), jnp.asarray(b["v_pages"], kv_dt), md, sinks=sinks)
+    q, k, v = (jnp.asarray(b[n], dt) for n in ("q", "k", "v"))
+    if fused:
+        q, k, v = jnp.concatenate([x.reshape(x.shape[0], -1) for x in (q, k, v)], 1), None, None
+    out, kp, vp = fn(q, k, v, jnp.asarray(b["k_pages"], kv_dt),
+                     jnp.asarray(b["v_pages"], kv_dt), md, sinks=sinks, prologue=prologue)
     assert out.dtype == dt and kp.dtype == kv_dt and vp.dtype == kv_dt
     assert out.shape == b["q"].shape
     assert kp.shape == b["k_pages"].shape and vp.shape == b["v_pages"].shape
@@ -192,7 +196,7 @@ def test_pallas_gpu_configs(name, config, platform):
 
 
 @pytest.mark.parametrize("config", ["one_split", "split3"])
-@pytest.mark.parametrize("name", ["mixed", "window_cap_sinks"])
+@pytest.mark.parametrize("name", ["mixed", "window_cap_sinks", "single_token"])
 def test_pallas_gpu_reads_no_row_its_step_writes(name, config, monkeypatch):
     """The Pallas GPU kernel stores this step's k/v rows while its other programs attend;
     on a GPU they run at once, so none may read one of those rows from the pages. Interpret
@@ -390,3 +394,106 @@ def test_multi_step_decode_pages_stay_finite_without_per_step_tail_zeroing():
             assert np.isfinite(k[read]).all() and np.isfinite(v[read]).all(), (s, i)
             np.testing.assert_array_equal(k[pages[s, pos // ps], pos % ps], new[s])
     np.testing.assert_array_equal(np.asarray(k_pages)[untouched], before[untouched])
+
+
+# The q/k prologue (`QKPrologue`: per-head RMSNorm, then RoPE). The Pallas GPU kernel applies
+# it itself at one token (T = 1) on pages in q's dtype; XLA applies it everywhere else.
+PROLOGUE_CASES = {
+    "single_token": CASES["single_token"],
+    "one_token_gqa8_d128": Case(seqs=((1, 45),), hq=8, hkv=1, d=128, pad_seqs=0,
+                                pad_tokens=0),
+    "one_token_window_sinks": Case(seqs=((1, 29),), sliding_window=9, sinks=True, pad_seqs=0,
+                                   pad_tokens=0, poison=float("nan")),
+    "one_token_fp8": Case(seqs=((1, 20),), dtype="bfloat16", kv_dtype="float8_e4m3fn",
+                          k_scale=2.0**-6, v_scale=2.0**-5, pad_seqs=0, pad_tokens=0),
+    "mixed": CASES["mixed"],
+}
+
+
+def _prologue_oracle(case: Case, b, norm: bool, rng):
+    """A random prologue for the case's tokens, and b with q / k replaced by the float64
+    result (rounded to the case's dtype): what attention then sees."""
+    from jaxinfer.attention import QKPrologue, rope_tables
+
+    T, d = b["q"].shape[0], case.d
+    pos = np.zeros(T, np.int32)
+    t0 = 0
+    for q_len, kv_len in zip(b["q_lens"], b["kv_lens"], strict=True):
+        pos[t0:t0 + q_len] = kv_len - q_len + np.arange(q_len)
+        t0 += q_len
+    inv_freq = 1.0 / 500.0 ** (np.arange(0, d, 2) / d)
+    factor, eps = 1.25, 1e-6
+    dt = jnp.dtype(case.dtype)
+    scales = [np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, d), dt).astype(jnp.float32))
+              for _ in range(2)] if norm else [None, None]
+
+    def want(x, scale):
+        x = x.astype(np.float64)
+        if scale is not None:
+            x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+        angle = pos[:, None, None] * np.concatenate([inv_freq, inv_freq])
+        rotated = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+        out = (x * np.cos(angle) + rotated * np.sin(angle)) * factor
+        return np.array(jnp.asarray(out, jnp.float32).astype(dt).astype(jnp.float32))
+
+    cos, sin = rope_tables(jnp.asarray(pos), jnp.asarray(inv_freq, jnp.float32), factor, dt)
+    prologue = QKPrologue(cos, sin, *(None if s is None else jnp.asarray(s, dt) for s in scales),
+                          eps=eps)
+    return prologue, dict(b, q=want(b["q"], scales[0]), k=want(b["k"], scales[1]))
+
+
+PROLOGUE_BACKENDS = [("reference", "cpu"), ("pallas_gpu", "cpu"),
+                     pytest.param("pallas_gpu", "gpu", marks=gpu),
+                     pytest.param("mosaic_gpu", "gpu", marks=gpu)]
+
+
+@pytest.mark.parametrize("implementation,platform", PROLOGUE_BACKENDS)
+@pytest.mark.parametrize("fused", [False, True], ids=["qkv", "fused_qkv"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm_rope", "rope"])
+@pytest.mark.parametrize("name", list(PROLOGUE_CASES))
+def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
+                                    monkeypatch):
+    """Attention on raw q / k with a prologue (and q, k, v separate, or as one fused
+    projection) against the float64 oracle on q / k normed and rotated in float64; the
+    pages hold the normed, rotated k (to within rounding: the kernel and XLA round their
+    steps to the dtype where the oracle rounds once). At one token on pages in q's dtype
+    the Pallas GPU kernel must apply the prologue itself (XLA's `apply` is not called), and
+    read the fused projection whole (`split_qkv` is not called)."""
+    import jaxinfer.attention as attention
+    import jaxinfer.pallas_kernels.ragged_paged_attention_gpu as kernel
+    from jaxinfer.attention import QKPrologue
+
+    case = PROLOGUE_CASES[name]
+    if implementation != "reference":
+        case = dataclasses.replace(case, dtype="bfloat16")
+    b = build(case)
+    prologue, seen = _prologue_oracle(case, b, norm, np.random.default_rng(case.seed))
+    applied, real_apply = [], QKPrologue.apply
+    monkeypatch.setattr(QKPrologue, "apply",
+                        lambda self, q, k: applied.append(1) or real_apply(self, q, k))
+    splits, real_split = [], attention.split_qkv
+    for module in (attention, kernel):
+        monkeypatch.setattr(module, "split_qkv",
+                            lambda *a: splits.append(1) or real_split(*a))
+    with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
+        out, kp, vp = run(case, b, implementation, prologue, fused)
+    in_kernel = (implementation == "pallas_gpu" and b["q"].shape[0] == 1
+                 and case.kv_dtype is None)
+    assert bool(applied) != in_kernel
+    assert bool(splits) == (fused and not in_kernel)
+    tol = 1e-5 if case.dtype == "float32" else 2e-2
+    live = out[:b["live_tokens"]]
+    assert np.isfinite(live).all()
+    np.testing.assert_allclose(live, oracle(case, seen), rtol=tol, atol=tol)
+    k_exp, v_exp, written = expected_pages(case, seen)
+    np.testing.assert_array_equal(kp[~written], k_exp[~written].astype(np.float32))
+    np.testing.assert_array_equal(vp, v_exp.astype(np.float32))  # v has no prologue
+    # Written k rows to within rounding: the prologue's own steps (bf16: a few steps of the
+    # largest term; float32: RoPE's angles pos * inv_freq, ~1e-6 at 40 radians), then the
+    # pages' dtype (e4m3: two steps of 4 bits of mantissa). In k's units.
+    ks = (case.k_scale or 1.0) if case.kv_dtype else 1.0
+    got_k, want_k = kp[written] * ks, k_exp[written].astype(np.float32) * ks
+    compute = 2.0 ** -8 if case.dtype == "bfloat16" else 5e-6
+    page = 2.0 ** -3 if case.kv_dtype else compute
+    np.testing.assert_allclose(got_k, want_k, rtol=2 * page,
+                               atol=4 * compute * np.abs(want_k).max())
