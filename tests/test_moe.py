@@ -185,6 +185,21 @@ def test_padding_tokens_route_nowhere(monkeypatch):
                                atol=1e-6)
 
 
+def _block_through(monkeypatch, layer, args, implementation, platform, calls, key):
+    """layer(*args) as float32 numpy, on `platform`, with every grouped matmul of the MoE
+    block forced to `implementation`; appends each call's keyword `key` to calls."""
+    import jaxinfer.grouped_matmul as gm
+    import jaxinfer.models.moe as moe
+
+    def call(x, w, sizes, **kw):
+        calls.append(kw[key])
+        return gm.grouped_matmul(x, w, sizes, implementation=implementation, **kw)
+
+    monkeypatch.setattr(moe, "grouped_matmul", call)
+    with jax.default_device(jax.devices(platform)[0]):
+        return np.asarray(layer(*args).astype(jnp.float32))
+
+
 @pytest.mark.parametrize("implementation,platform", [
     ("mosaic_gpu", "cpu"), pytest.param(None, "gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("live", [True, False])
@@ -207,23 +222,14 @@ def test_one_token_rows_in_router_order(monkeypatch, live, implementation, platf
     real_rows = gm.grouped_matmul_rows
     monkeypatch.setattr(gm, "grouped_matmul_rows",
                         lambda *a, **kw: row_calls.append(1) or real_rows(*a, **kw))
-    device = jax.devices(platform)[0]
-
     config = dataclasses.replace(preset_config("tiny-moe"), moe_intermediate_size=64)
     layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
                           (1, config.hidden_size)).astype(jnp.bfloat16)
-    real, calls = moe.grouped_matmul, []
-
-    def through(implementation):
-        def call(x, w, sizes, **kw):
-            calls.append(kw["rows_sorted"])
-            return real(x, w, sizes, implementation=implementation, **kw)
-        monkeypatch.setattr(moe, "grouped_matmul", call)
-        with jax.default_device(device):
-            return np.asarray(layer(x, jnp.array([live])).astype(jnp.float32))
-
-    want, got = through("reference"), through(implementation)
+    calls = []
+    want, got = (_block_through(monkeypatch, layer, (x, jnp.array([live])), impl, platform,
+                                calls, "rows_sorted")
+                 for impl in ("reference", implementation))
     assert calls == [False] * 4
     assert len(row_calls) == (2 if implementation is None else 0)
     assert np.isfinite(got).all()
@@ -302,17 +308,10 @@ def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, pl
     layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
                           (40, config.hidden_size)).astype(jnp.bfloat16)
-    real, calls = moe.grouped_matmul, []
-
-    def through(implementation):
-        def call(x, w, sizes, **kw):
-            calls.append(kw["groups_aligned"])
-            return real(x, w, sizes, implementation=implementation, **kw)
-        monkeypatch.setattr(moe, "grouped_matmul", call)
-        with jax.default_device(jax.devices(platform)[0]):
-            return np.asarray(layer(x).astype(jnp.float32))
-
-    want, got = through("reference"), through(implementation)
+    calls = []
+    want, got = (_block_through(monkeypatch, layer, (x,), impl, platform, calls,
+                                "groups_aligned")
+                 for impl in ("reference", implementation))
     assert calls == [True] * 4
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
