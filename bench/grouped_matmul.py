@@ -21,9 +21,10 @@ Columns:
                matmul rate), both ceilings measured in this run (`measure_ceilings`)
   ours         `grouped_matmul(..., implementation="mosaic_gpu")` (jitted), checked first
                against the XLA reference on the same inputs: "err" is max |ours - ref| /
-               max |ref| (FAIL above 2e-2). Beyond RANK_SORT_MAX_PAIRS rows it gets the
-               rows as the MoE layer lays them out for prefill (`moe._align_groups`):
-               each expert's group padded to a multiple of 8 rows, `groups_aligned=True`
+               max |ref| (FAIL above 2e-2). Where `moe.aligns_groups` (Qwen3 at 512 and
+               4096 tokens, Mixtral at 4096) it gets the rows as the MoE layer lays them
+               out for prefill (`moe._align_groups`): each expert's group padded to a
+               multiple of 8 rows, `groups_aligned=True`
                (rows column: "aligned, R" = the layout's static row count); the floor and
                the peers keep the real rows
   ragged_dot   XLA's `ragged_dot_general` (the reference; on GPU a dense, zero-padded dot
@@ -53,7 +54,7 @@ from quantized_matmul import Cell, Rotating, disagreement, short  # bench/ helpe
 
 from jaxinfer.bench import measure_ceilings, median_seconds
 from jaxinfer.grouped_matmul import GROUP_ALIGN, grouped_matmul
-from jaxinfer.models.moe import RANK_SORT_MAX_PAIRS
+from jaxinfer.models.moe import aligns_groups
 
 MODELS = {  # name: (experts, top_k, hidden, expert intermediate)
     "qwen3": ("qwen3-30b-a3b", 128, 8, 2048, 768),
@@ -210,7 +211,7 @@ def main():
                 hit = float(np.mean([(s > 0).sum() for s in sizes]))
                 x = jax.random.normal(jax.random.fold_in(wkey, t), (m, k), jnp.bfloat16)
                 arg_sets = [(x, w, jnp.asarray(s)) for s in sizes]
-                aligned = m > RANK_SORT_MAX_PAIRS  # the MoE layer's prefill layout
+                aligned = aligns_groups(m, e)  # the MoE layer's prefill layout
                 if aligned:
                     r = -(-(m + (GROUP_ALIGN - 1) * min(e, m)) // GROUP_ALIGN) * GROUP_ALIGN
                     x_al = jax.random.normal(jax.random.fold_in(wkey, t + 1), (r, k),

@@ -244,6 +244,9 @@ def test_aligned_layout_against_numpy():
     rows hold expert L."""
     import jaxinfer.models.moe as moe
 
+    # Taken from 28 pairs an expert (padding <= 25%) beyond the rank sort's sizes.
+    assert moe.aligns_groups(3584, 128) and not moe.aligns_groups(3576, 128)
+    assert moe.aligns_groups(1026, 8) and not moe.aligns_groups(1024, 8)
     rng = np.random.default_rng(np.random.randint(1 << 30))
     for pairs, num_local in [(96, 16), (40, 3), (300, 128)]:
         local = rng.integers(0, num_local + 1, pairs).astype(np.int32)
@@ -268,8 +271,8 @@ def test_aligned_layout_against_numpy():
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_prefill_aligned_rows_match_hf(hf_models, monkeypatch, family):
-    """The layout taken beyond RANK_SORT_MAX_PAIRS pairs (each expert's group padded to a
-    multiple of 8 rows, `_align_groups`), forced here at 40 tokens: float32 logits match
+    """The layout of large prefill steps (each expert's group padded to a multiple of 8
+    rows, `_align_groups`, where `aligns_groups`), forced here at 40 tokens: float32 logits match
     HF's, and the grouped matmuls are told that the groups are aligned. (gpt-oss: expert
     biases, gathered for the pad rows too.)"""
     from transformers import AutoModelForCausalLM
@@ -277,6 +280,7 @@ def test_prefill_aligned_rows_match_hf(hf_models, monkeypatch, family):
     import jaxinfer.models.moe as moe
 
     monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe, "ALIGN_MIN_PAIRS_PER_GROUP", 0)
     seen, real = [], moe.grouped_matmul
     monkeypatch.setattr(moe, "grouped_matmul", lambda x, w, sizes, **kw: seen.append(
         (kw["groups_aligned"], x.shape[0])) or real(x, w, sizes, **kw))
@@ -303,6 +307,7 @@ def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, pl
     from jaxinfer.presets import preset_config
 
     monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 0)
+    monkeypatch.setattr(moe, "ALIGN_MIN_PAIRS_PER_GROUP", 0)
     config = dataclasses.replace(preset_config("tiny-moe"), hidden_size=128,
                                  moe_intermediate_size=128)
     layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
