@@ -122,7 +122,8 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
         slot = page_indices_ref[seq, col] * page_size + jnp.maximum(pos, 0) % page_size
         k_head, v_head = kv_head0[0] + h, kv_head0[1] + h
         k_row, v_row = k_new_ref[t, k_head, :], v_new_ref[t, v_head, :]
-        new_start = new_start_ref[t]  # positions >= this are read from k_new / v_new
+        if not one_token:  # positions >= this are read from k_new / v_new
+            new_start = new_start_ref[t]
         if prologue is not None:  # (T = 1) the k row normed and rotated, as q below
             k_swap = pl_triton.load(k_new_ref.at[t, k_head, _swapped_d(k_row)])
             k_row = _prologue(k_row, k_swap, norm_refs[1], cos_ref, sin_ref, t, prologue)
