@@ -3,7 +3,7 @@
   python bench/grouped_matmul.py [--quick] [--models qwen3,mixtral] [--proj gate_up,down]
                                  [--tokens 1,8,64,512,4096] [--draws N] [--iters N]
                                  [--sweep] [--xla-max-seconds S] [--max-minutes T]
-                                 [--out FILE.md] [--cpu-smoke]
+                                 [--quantize FMT] [--out FILE.md] [--cpu-smoke]
 
 y = x @ W[e]^T per row's expert e, x [tokens * top_k, hidden] bf16 sorted by expert,
 W [E, N, K] bf16 (`jaxinfer.grouped_matmul`). Expert shapes:
@@ -11,6 +11,12 @@ W [E, N, K] bf16 (`jaxinfer.grouped_matmul`). Expert shapes:
                  gate_up [128, 1536, 2048] (gate and up fused), down [128, 2048, 768]
   mixtral-8x7b   E=8, top-2, hidden 4096, intermediate 14336:
                  gate_up [8, 28672, 4096], down [8, 4096, 14336]
+--quantize int8 (or int4, int8:g128, ...): the expert weights quantized (`jaxinfer.quant`);
+the floor then counts their stored bytes (values and scales), the reference dequantises
+the stack and runs ragged_dot, and ragged_dot_mgpu (bf16 only) gets the dequantised bf16
+stack: the bf16 kernel one would run instead. Where a token's rows are at most
+`ROW_REDUCE_MAX_M` the log also times `grouped_matmul_rows`, the default at one decode
+token.
 Routing is drawn at random: each token picks top_k distinct experts uniformly. Each cell
 cycles over `--draws` routings (so back-to-back calls mostly hit other experts, as the
 layers of a decode step would: weights come from HBM, not L2).
@@ -53,8 +59,14 @@ import numpy as np
 from quantized_matmul import Cell, Rotating, disagreement, short  # bench/ helpers
 
 from jaxinfer.bench import measure_ceilings, median_seconds
-from jaxinfer.grouped_matmul import GROUP_ALIGN, grouped_matmul
+from jaxinfer.grouped_matmul import (
+    GROUP_ALIGN,
+    ROW_REDUCE_MAX_M,
+    grouped_matmul,
+    grouped_matmul_rows,
+)
 from jaxinfer.models.moe import aligns_groups
+from jaxinfer.quant import dequantize, quantize
 
 MODELS = {  # name: (experts, top_k, hidden, expert intermediate)
     "qwen3": ("qwen3-30b-a3b", 128, 8, 2048, 768),
@@ -125,6 +137,7 @@ def main():
                     help="skip the cells left after this long (default 8)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="a tiny shape, 1 and 8 tokens: a quick check that runs on the CPU")
+    ap.add_argument("--quantize", help="expert weights in this format (int8, int4:g128, ...)")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
 
@@ -144,7 +157,8 @@ def main():
     c = measure_ceilings() if gpu else measure_ceilings(64 << 20, 512)
     header = [f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
               f"jax {jax.__version__}", c.line(),
-              f"median of {iters} calls per cell, {a.draws} routings cycled"]
+              f"median of {iters} calls per cell, {a.draws} routings cycled",
+              f"expert weights: {a.quantize or 'bf16'}"]
     if not gpu:
         header.append("not a GPU: host wall times; ours runs in Mosaic GPU interpret mode")
     print("\n".join(header), flush=True)
@@ -184,6 +198,9 @@ def main():
     def time_mgpu(x_sets, want) -> Cell:
         if not gpu:
             return Cell(note="n/a (Hopper GPU only)")
+        if a.quantize:  # bf16 only: the dequantised stack
+            w_bf16 = dequantize(x_sets[0][1], jnp.bfloat16)
+            x_sets = [(x, w_bf16, gs) for x, _, gs in x_sets]
         from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
 
         failures = []
@@ -205,6 +222,8 @@ def main():
             print(f"{title} (at {time.perf_counter() - start:.0f} s)", flush=True)
             key, wkey = jax.random.split(key)
             w = (jax.random.normal(wkey, (e, n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+            w = quantize(w, a.quantize) if a.quantize else w
+            expert_bytes = w.nbytes // e if a.quantize else n * k * 2
             for t in tokens:
                 m = t * top_k
                 sizes = [draw_routing(rng, t, e, top_k) for _ in range(a.draws)]
@@ -221,7 +240,7 @@ def main():
                     our_fn, rows_text = ours_aligned, f"{m} (aligned, {r})"
                 else:
                     our_sets, our_fn, rows_text = arg_sets, ours, f"{m}"
-                bytes_hit = hit * n * k * 2
+                bytes_hit = hit * expert_bytes
                 bw_floor = bytes_hit / c.copy_bytes_per_s
                 flop_floor = 2 * m * n * k / c.matmul_flops_per_s
                 label = f"{name} {proj} tokens={t}"
@@ -243,6 +262,11 @@ def main():
                     cell_xla = timed(f"{label} ragged_dot", ref, arg_sets)
                 cell_mgpu = (Cell(note="skipped") if a.no_mgpu or want is None
                              else time_mgpu(arg_sets, want))
+                if m <= ROW_REDUCE_MAX_M and want is not None:  # the one-token default
+                    rows_fn = jax.jit(lambda x, w, gs: grouped_matmul_rows(
+                        x, w, jnp.repeat(jnp.arange(gs.shape[0], dtype=jnp.int32), gs,
+                                         total_repeat_length=x.shape[0])))
+                    checked(f"{label} grouped_matmul_rows", rows_fn, arg_sets, want)
                 if a.sweep and gpu:
                     from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu
 

@@ -19,10 +19,12 @@ import jax.numpy as jnp
 
 
 def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: int,
-                 mesh_spec: str | None, min_kv_bytes: int = 8 << 30, page_size: int = 16):
+                 mesh_spec: str | None, min_kv_bytes: int = 8 << 30, page_size: int = 16,
+                 quantize: str | None = None):
     """(LLM, mesh) with `batch` requests of `ctx` prompt tokens prefilled and decoding (decode
     shapes compiled), with room for 8 measurements of `steps` engine steps. The KV pool holds
-    every sequence's whole length, and at least `min_kv_bytes`."""
+    every sequence's whole length, and at least `min_kv_bytes`. `quantize`: the preset's
+    projections quantized to this format."""
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.presets import preset_config, random_model
     from jaxinfer.sharding import MeshSpec
@@ -32,7 +34,7 @@ def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: in
     mesh = MeshSpec.parse(mesh_spec).meshes()[0]
     # Pages for every sequence's whole length: a smaller pool would preempt and recompute.
     kv_bytes = batch * max_len * config.kv_bytes_per_token(2)  # bf16
-    llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh),
+    llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh, quantize=quantize),
               kv_cache_bytes=max(min_kv_bytes, int(1.1 * kv_bytes)),
               max_model_len=max_len, max_num_seqs=batch, decode_steps=decode_steps,
               mesh=mesh_spec, page_size=page_size)
@@ -58,6 +60,7 @@ def workload_parser(steps: int, steps_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=steps, help=steps_help)
     ap.add_argument("--mesh", default=None, help="e.g. tp=2: kernel time is per device")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--quantize", default=None, help="projections quantized: int8, int4:g128...")
     ap.add_argument("--json", default=None)
     return ap
 
@@ -73,7 +76,7 @@ def main():
     from jaxinfer.bench import measure_ceilings, weight_bytes
 
     llm, mesh = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
-                             args.mesh, page_size=args.page_size)
+                             args.mesh, page_size=args.page_size, quantize=args.quantize)
     devices = mesh.size  # CUPTI records every device's kernels: times are summed over them
     engine = llm.engine
 

@@ -29,6 +29,9 @@ def _model_options(fn):
                           "qwen3-30b-a3b, mixtral-8x7b, gpt-oss-20b, tiny, tiny-moe)."),
         click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
                      show_default=True),
+        click.option("--quantize", default=None, metavar="FORMAT",
+                     help="With --preset: quantize the random projections to FORMAT (int8, "
+                          "int4:g128, fp8, ...), as `jaxinfer convert --quantize` would."),
         click.option("--kv-cache-gb", type=float, default=4.0, show_default=True),
         click.option("--max-num-seqs", type=click.IntRange(min=1), default=64,
                      show_default=True),
@@ -50,14 +53,18 @@ def _model_options(fn):
 
 
 def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-          decode_steps, page_size, mesh=None):
+          decode_steps, page_size, mesh=None, quantize=None):
     from jaxinfer import LLM
     from jaxinfer.cli.parallel import random_or_path
     from jaxinfer.errors import JaxinferError
 
     if preset and model_path:
         raise JaxinferError("give --model or --preset, not both")
-    return LLM(random_or_path(model_path, preset, dtype, mesh), dtype=None if preset else dtype,
+    if quantize and not preset:
+        raise JaxinferError("--quantize goes with --preset; quantize a checkpoint with "
+                            "`jaxinfer convert --quantize`")
+    model = random_or_path(model_path, preset, dtype, mesh, quantize)
+    return LLM(model, dtype=None if preset else dtype,
                kv_cache_bytes=int(kv_cache_gb * 2**30), max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
                page_size=page_size, mesh=mesh)
@@ -118,7 +125,7 @@ def kernels(backend, small, json_path, record, profile, plot):
 @click.option("--output-len", type=int, default=128, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed runs after the compiling one; the report gives their medians.")
-def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
+def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
             decode_steps, page_size, json_path, record, profile, mesh, batch, input_len,
             output_len, repeats):
     """Time to first token and per-token decode time."""
@@ -126,7 +133,7 @@ def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batche
 
     ceilings = _ceilings_in_subprocess()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                decode_steps, page_size, mesh)
+                decode_steps, page_size, mesh, quantize)
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings, repeats=repeats)
     headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
@@ -140,15 +147,15 @@ def latency(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batche
 @click.option("--num-requests", type=int, default=64, show_default=True)
 @click.option("--input-len", type=int, default=256, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
-def throughput(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-               decode_steps, page_size, json_path, record, profile, mesh, num_requests,
-               input_len, output_len):
+def throughput(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs,
+               max_num_batched_tokens, decode_steps, page_size, json_path, record, profile,
+               mesh, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
     from jaxinfer.bench import bench_throughput
 
     ceilings = _ceilings_in_subprocess()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                decode_steps, page_size, mesh)
+                decode_steps, page_size, mesh, quantize)
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
     decode, roof = r["decode_tokens_per_s"], r["decode_roofline_tokens_per_s"]

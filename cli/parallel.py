@@ -34,8 +34,9 @@ def join_job(coordinator, num_processes, process_id) -> bool:
     return multihost.is_leader()
 
 
-def random_or_path(model_path, preset, dtype, mesh):
-    """--preset: a random-weight model built straight onto the mesh; else the path."""
+def random_or_path(model_path, preset, dtype, mesh, quantize=None):
+    """--preset: a random-weight model built straight onto the mesh (its projections
+    quantized to `quantize` if given); else the path."""
     if not preset:
         return model_path
     import jax.numpy as jnp
@@ -44,4 +45,4 @@ def random_or_path(model_path, preset, dtype, mesh):
     from jaxinfer.sharding import MeshSpec
 
     return random_model(preset_config(preset), jnp.dtype(dtype or "bfloat16"),
-                        mesh=MeshSpec.parse(mesh).meshes()[0])
+                        mesh=MeshSpec.parse(mesh).meshes()[0], quantize=quantize)

@@ -28,9 +28,11 @@ The MoE layer (`jaxinfer.models.moe`) sorts its (token, expert) pairs by expert 
 layer and makes one call per projection over all experts. `grouped_matmul` picks the
 implementation in one place: the Mosaic GPU kernel on Hopper, the Pallas TPU kernel on
 TPU, the pure-JAX reference elsewhere; a kernel that cannot take the inputs (its
-`unsupported_reason`) falls back to the reference. On Hopper a few unsorted float rows
-(one decode token's k experts) are a gather, a multiply and a row reduction in XLA
-(`grouped_matmul_rows`), which measured faster there than the kernel.
+`unsupported_reason`: the Mosaic kernel takes float and symmetric int8 / int4 experts)
+falls back to the reference. On Hopper a few unsorted rows (one decode token's k
+experts) of float weights, or of quantized ones the kernel does not take, are a gather, a
+multiply and a row reduction in XLA (`grouped_matmul_rows`), which measured faster there
+than the kernel for float weights.
 """
 
 from __future__ import annotations
@@ -84,22 +86,31 @@ def grouped_matmul_reference(x: jax.Array, w: ExpertWeights, group_sizes: jax.Ar
 
 # Up to this many unsorted rows (one decode token's k rows), the GPU default computes each
 # row against its own group's weights as a gather, a multiply and a row reduction
-# (`grouped_matmul_rows`), not with the Mosaic kernel.
+# (`grouped_matmul_rows`), not with the Mosaic kernel: float weights, and quantized ones
+# the kernel does not take.
 ROW_REDUCE_MAX_M = 8
 
 
-def grouped_matmul_rows(x: jax.Array, w: jax.Array, group: jax.Array, *,
+def grouped_matmul_rows(x: jax.Array, w: ExpertWeights, group: jax.Array, *,
                         swiglu: bool = False) -> jax.Array:
-    """x [M, K], float w [E, N, K], group [M] int32 (E: no group) -> y [M, N] (or
-    [M, N / 2] with swiglu) in x.dtype: y[m] = x[m] @ w[group[m]]^T, 0 for rows of no
-    group, accumulated in float32, whatever order the rows are in.
+    """x [M, K], w [E, N, K] (float or quantized), group [M] int32 (E: no group) -> y
+    [M, N] (or [M, N / 2] with swiglu) in x.dtype: y[m] = x[m] @ w[group[m]]^T, 0 for rows
+    of no group, accumulated in float32, whatever order the rows are in.
 
     XLA runs it as one reduction kernel that gathers each row's weights (and x's rows)
     itself, like `linear`'s one-row form; every row reads its group's whole matrix, so it
     suits a few rows of distinct groups: one decode token's k experts (bench/NOTES.md,
-    grouped matmul v8)."""
+    grouped matmul v8). Quantized rows are dequantised inside that kernel, as the
+    reference does (to x's dtype), so they are read in their stored width: any format."""
     e = w.shape[0]
-    w_rows = w[jnp.minimum(group, e - 1)].astype(x.dtype).astype(jnp.float32)  # [M, N, K]
+    idx = jnp.minimum(group, e - 1)
+    if isinstance(w, QuantizedWeight):
+        w_rows = dequantize(QuantizedWeight(
+            w.values[idx], w.scales[idx], None if w.offsets is None else w.offsets[idx]),
+            x.dtype)
+    else:
+        w_rows = w[idx].astype(x.dtype)
+    w_rows = w_rows.astype(jnp.float32)  # [M, N, K]
     y = jnp.sum(x.astype(jnp.float32)[:, None, :] * w_rows, axis=-1)
     y = jnp.where((group < e)[:, None], y, 0.0)
     return swiglu_halves(y, x.dtype) if swiglu else y.astype(x.dtype)
@@ -136,11 +147,15 @@ def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
         raise ValueError("grouped_matmul: rows_sorted=False needs row_groups")
     unsorted = None if rows_sorted else row_groups  # what in_group_order must sort by
     impl = implementation or default_implementation()
-    if (impl == "mosaic_gpu" and implementation is None and not rows_sorted
-            and x.shape[0] <= ROW_REDUCE_MAX_M and not isinstance(w, QuantizedWeight)):
-        return grouped_matmul_rows(x, w, row_groups.group, swiglu=swiglu)
     if impl == "mosaic_gpu":
         from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu, unsupported_reason
+        # One decode token's rows: float weights reduce by row (faster than the kernel
+        # there), and so do quantized ones the kernel does not take; int8 / int4 ones
+        # run the kernel, faster than their rows (bench/NOTES.md, grouped matmul v10).
+        if (implementation is None and not rows_sorted and x.shape[0] <= ROW_REDUCE_MAX_M
+                and (not isinstance(w, QuantizedWeight)
+                     or unsupported_reason(x, w) is not None)):
+            return grouped_matmul_rows(x, w, row_groups.group, swiglu=swiglu)
         if implementation is None and unsupported_reason(x, w) is not None:
             impl = "reference"
         else:

@@ -4,6 +4,7 @@ so large-model performance can be measured without weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,9 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.models import Decoder
+from jaxinfer.models.layers import is_quantizable
+from jaxinfer.quant import QuantFormat, QuantizedWeight, parse_format
+from jaxinfer.quant import quantize as quantize_weight
 from jaxinfer.sharding import MeshSpec
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -77,15 +81,18 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
-                 mesh: jax.sharding.Mesh | None = None) -> Decoder:
+                 mesh: jax.sharding.Mesh | None = None, quantize: str | None = None) -> Decoder:
     """A Decoder with random weights generated on the device(s), one parameter at a time,
     each straight into its shards on `mesh` (default: the first device). The same seed
     gives the same model on any mesh.
 
-    Matrices ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.02^2) (never zeros).
+    Matrices ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.02^2) (never zeros). `quantize`
+    (a `jaxinfer.quant.parse_format` spelling): the decoder-block projections are then
+    quantized to it on the device, as `jaxinfer convert --quantize` would store them.
     """
-    from jaxinfer.checkpoint import _build_model, model_placer
+    from jaxinfer.checkpoint import OFFSET, SCALE, _build_model, model_placer
 
+    fmt = parse_format(quantize) if quantize else None
     placer = model_placer(config, mesh or MeshSpec().meshes()[0])
     model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
     key = jax.random.key(seed)
@@ -94,8 +101,27 @@ def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
         name, shape = ".".join(map(str, path)), tuple(var.shape)
         array = _random(jax.random.fold_in(key, i), shape, jnp.dtype(dtype),
                         placer.sharding(name, shape))
-        params[name] = placer.place(name, array)
-    return _build_model(placer.model_config, params, None, placer.tp)
+        if fmt is not None and is_quantizable(name):
+            try:
+                w = _quantized(array, fmt)
+            except JaxinferError as e:
+                raise JaxinferError(f"--quantize {fmt}: tensor {name}: {e}") from None
+            parts = {name: w.values, name + SCALE: w.scales, name + OFFSET: w.offsets}
+            params.update({k: placer.place(k, a) for k, a in parts.items() if a is not None})
+        else:
+            params[name] = placer.place(name, array)
+    model_config = placer.model_config
+    if fmt is not None:
+        model_config = dataclasses.replace(model_config, quantization=str(fmt))
+    return _build_model(model_config, params, fmt.activations if fmt else None, placer.tp)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantized(w: jax.Array, fmt: QuantFormat) -> QuantizedWeight:
+    """`jaxinfer.quant.quantize` of W [N, K] or of each matrix of a stack [E, N, K]."""
+    if w.ndim == 3:
+        return jax.vmap(lambda we: quantize_weight(we, fmt))(w)
+    return quantize_weight(w, fmt)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

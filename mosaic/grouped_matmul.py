@@ -59,9 +59,21 @@ Hopper GEMM tile, so prefill (thousands of rows per expert) runs the same code a
 decode (a few rows per expert); `choose_config` picks max_rows from the expected rows
 per expert, and shared-memory depth from what fits.
 
-On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode (tests).
-Constraints (else `unsupported_reason`): float weights in x's dtype, bf16 or f16;
-N and K multiples of 64. Quantized expert weights go to the reference (XLA).
+Quantized experts (`QuantizedWeight` stacks of int8 or int4 values, symmetric): the
+weight boxes stream in their stored width (half or a quarter of bf16's bytes, the point at
+decode sizes) and become wgmma's A operand from registers, as in the quantized matmul
+(`jaxinfer.mosaic.quantized_matmul`): a consumer loads its box in the upcast register
+layout, converts it to x's dtype, and for group-wise scales (groups of 64 or 128 K
+columns: one group per 64-column piece) multiplies each row by its piece's scale, which
+the producer brings into shared memory beside the box. Per-channel scales multiply the
+float32 accumulator once, in the epilogue.
+
+On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode (tests);
+there the upcast box goes through shared memory (interpret mode has no register A
+operand). Constraints (else `unsupported_reason`): float weights in x's dtype, or int8 /
+int4 symmetric weights, per channel or in groups of 64 or 128; x bf16 or f16; N and K
+multiples of 64. Other quantized experts (fp8, MXFP4, int4 in groups of 32, zero points)
+go to the reference (XLA), or at one decode token to `grouped_matmul_rows`.
 """
 
 from __future__ import annotations
@@ -129,11 +141,17 @@ def _pow2_at_least(v: float) -> int:
     return p
 
 
-def smem_bytes(cfg: Config, itemsize: int = 2, halves: int = 1) -> int:
-    """Shared memory of a config; halves = 2 when each item streams a gate and an up block."""
-    ring = cfg.num_stages * cfg.k_pieces * (halves * cfg.block_n + cfg.max_width) * PIECE * itemsize
+def smem_bytes(cfg: Config, itemsize: int = 2, halves: int = 1, weight_bits: int | None = None,
+               grouped: bool = False, interpret: bool = False) -> int:
+    """Shared memory of a config; halves = 2 when each item streams a gate and an up block;
+    weight_bits: quantized values' width (None: the weights are in x's dtype), grouped:
+    with group-wise scales; interpret: with the upcast boxes' buffer of interpret mode."""
+    w_rows = halves * cfg.block_n  # weight rows per piece
+    w_bytes = w_rows * PIECE * (weight_bits or 8 * itemsize) // 8 + (w_rows * 4 if grouped else 0)
+    ring = cfg.num_stages * cfg.k_pieces * (w_bytes + cfg.max_width * PIECE * itemsize)
     out = cfg.compute_wgs * cfg.max_width * ROWS * itemsize
-    return ring + out + 1024  # barriers and alignment
+    upcast = cfg.k_pieces * w_rows * PIECE * itemsize if interpret and weight_bits else 0
+    return ring + out + upcast + 1024  # barriers and alignment
 
 
 def num_sms() -> int:
@@ -142,7 +160,8 @@ def num_sms() -> int:
 
 
 def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
-                  swiglu: bool = False) -> Config:
+                  swiglu: bool = False, weight_bits: int | None = None,
+                  grouped: bool = False, interpret: bool = False) -> Config:
     """Static heuristics from the shapes (group sizes are only known on the device).
 
     max_rows: about three times the mean rows per expert (M / E), so that even a busy
@@ -159,6 +178,9 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     per-row table (`row_items`). When groups span several 128-row windows, a last window
     of up to 32 rows joins the one before (`last_extra`). swiglu (N = 2 N'): the ring
     fits the gate and up blocks an item streams when its epilogue can fuse them.
+    Quantized weights (weight_bits 8 or 4) keep the same tiles, with four K pieces per step
+    at decode sizes (their boxes are smaller, and each step ends waiting on its MMAs);
+    their smaller boxes leave room for more ring slots.
     """
     mean_rows = m / e
     if m <= min(MAX_ROW_ITEMS_M, e):  # every group fits one window: the per-row table
@@ -171,18 +193,24 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     extra = max_rows // 4 if max_rows == 128 and mean_rows >= max_rows else 0
     hit = min(m, e)
     wgs = 2 if n % (2 * ROWS) == 0 and hit * (n // (2 * ROWS)) >= sms else 1
+    # (Quantized: the step's pieces are MMAs between two waits, `_kernel`; four a step
+    # when they do not hold a swiglu item's gate and up boxes, for the registers.)
     pieces = 2 if max_rows <= 64 and k % (2 * PIECE) == 0 else 1
+    if weight_bits and pieces == 2 and not swiglu and k % (4 * PIECE) == 0:
+        pieces = 4
     cfg = Config(max_rows=max_rows, compute_wgs=wgs, k_pieces=pieces, num_stages=8,
                  last_extra=extra)
     halves = 2 if swiglu and row_items(m, e, cfg) else 1
-    while smem_bytes(cfg, 2, halves) > SMEM_BYTES and cfg.num_stages > 2:
+    while (smem_bytes(cfg, 2, halves, weight_bits, grouped, interpret) > SMEM_BYTES
+           and cfg.num_stages > 2):
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
 
 
-def _swizzled():
-    """bf16/f16 64-column pieces: 8-row tiles with the 128-byte swizzle wgmma reads."""
-    return (plgpu.TilingTransform((8, PIECE)), plgpu.SwizzleTransform(128))
+def _swizzled(bits: int = 16):
+    """64-column pieces of `bits`-wide elements: 8-row tiles, swizzled by the row's bytes
+    (bf16/f16: 128, the swizzle wgmma reads; int8 64 and int4 32, read into registers)."""
+    return (plgpu.TilingTransform((8, PIECE)), plgpu.SwizzleTransform(PIECE * bits // 8))
 
 
 def row_items(m: int, e: int, cfg: Config) -> bool:
@@ -297,9 +325,10 @@ def _row_item(table, row, num_experts: int, padded_m: int, cfg: Config):
     return grp, start, end - start, width, load_start
 
 
-def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, ready,
-            free, *, cfg: Config, num_experts: int, steps: int, grid: int,
-            row_blocks: int | None, padded_m: int, swiglu: bool, aligned: bool):
+def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem, o_smem,
+            s_smem, a_smem, ready, free, *, cfg: Config, num_experts: int, steps: int,
+            grid: int, row_blocks: int | None, padded_m: int, swiglu: bool, aligned: bool,
+            scales: str | None, group_size: int):
     """table: the item table's ref (`build_items`) when row_blocks is None; else the
     per-row table's refs (`build_row_items`), and row_blocks the N blocks: item i is
     (row, N block) = divmod(i, row_blocks).
@@ -310,7 +339,12 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
     [.., wgs + c].
 
     aligned: every item's rows start and end on 8-row boundaries of x and of its tile
-    (`groups_aligned`), and o_smem is swizzled: the output boxes are whole 8-row tiles."""
+    (`groups_aligned`), and o_smem is swizzled: the output boxes are whole 8-row tiles.
+
+    scales: None for float weights; "channel": quantized w_ref, scales_ref [E, N / 64, 64]
+    float32, applied to the accumulators; "group": quantized w_ref, scales_ref
+    [E, K / group_size, N], a row per piece brought into s_smem [stages, pieces, boxes, 64]
+    beside the weight boxes. a_smem: interpret mode's upcast boxes [wgs, 64, 64]."""
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     wgs, stages, pieces = cfg.compute_wgs, cfg.num_stages, cfg.k_pieces
     halves = 2 if swiglu else 1
@@ -357,9 +391,15 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                         for half, c in itertools.product(range(halves), range(wgs)):
                             row0 = pl.multiple_of(half * n_out + (n_block * wgs + c) * ROWS,
                                                   ROWS)
+                            box = half * wgs + c
                             plgpu.copy_gmem_to_smem(
                                 w_ref.at[grp, pl.ds(row0, ROWS), pl.ds(k0, PIECE)],
-                                w_smem.at[slot, p, half * wgs + c], ready.at[slot])
+                                w_smem.at[slot, p, box], ready.at[slot])
+                            if scales == "group":  # the rows' scales for this piece
+                                plgpu.copy_gmem_to_smem(
+                                    scales_ref.at[grp, lax.div(k0, group_size),
+                                                  pl.ds(row0, ROWS)],
+                                    s_smem.at[slot, p, box], ready.at[slot])
                         for wi, w in enumerate(cfg.widths):  # the item's width only
                             pl.when(width == wi)(functools.partial(
                                 load_tokens, load_start, k0, slot, p, w))
@@ -397,16 +437,47 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                 done = done + (rows & box)
                 box //= 2  # (rows < 2 * max_rows: the digits from max_rows down)
 
+        def weights(slot, p, box):
+            """wgmma's A operand for a weight box: the box itself (float weights), or the
+            box upcast to x's dtype in registers and scaled by its group's scales (in
+            interpret mode, written to the box's own upcast buffer)."""
+            if scales is None:
+                return w_smem.at[slot, p, box]
+            # The upcast register layout (int4 loads in it too), then wgmma's A layout.
+            a = plgpu.load(w_smem.at[slot, p, box], (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+            a = plgpu.layout_cast(a.astype(x_smem.dtype), plgpu.Layout.WGMMA)
+            if scales == "group":
+                # Dequantised before the MMA, so that every piece accumulates into one
+                # accumulator (one multiply per weight, in x's dtype).
+                scale = plgpu.load(s_smem.at[slot, p, box], (),
+                                   layout=plgpu.Layout.WGMMA.reduce(1))
+                a = a * lax.broadcast_in_dim(scale.astype(a.dtype), a.shape, [0])
+            if a_smem is not None:  # interpret mode: wgmma's A operand must be in SMEM
+                a_smem.at[wg, p, box // wgs][...] = a
+                plgpu.commit_smem()
+                return a_smem.at[wg, p, box // wgs]
+            return a
+
         def mma(*acc_refs, g, w):
             """One accumulator per half (gate, up); returns their values."""
             def step(s, _):
                 gs = g + s
                 slot = lax.rem(gs, stages)
                 plgpu.barrier_wait(ready.at[slot])
+                # Every A operand of the step first (quantized: upcast into registers).
+                a_ops = [[weights(slot, p, half * wgs + wg) for half in range(halves)]
+                         for p in range(pieces)]
                 for p in range(pieces):
                     x_tile = x_smem.at[slot, p, pl.ds(0, w)].transpose((1, 0))
                     for half, acc_ref in enumerate(acc_refs):
-                        plgpu.wgmma(acc_ref, w_smem.at[slot, p, half * wgs + wg], x_tile)
+                        plgpu.wgmma(acc_ref, a_ops[p][half], x_tile)
+                if scales is not None:
+                    # Register A operands are not left in flight past the step: with the
+                    # next step's upcasts running under them, token tiles of 64 rows and
+                    # more gave wrong sums and NaNs on an H200 (jax's mixed-type matmul
+                    # waits likewise, after each MMA). The other consumer, if any, keeps
+                    # the tensor core busy meanwhile.
+                    plgpu.wgmma_wait(0)
                 # This step's MMAs may still run; the previous step's are done, so its
                 # slot goes back to the producer.
                 plgpu.wgmma_wait(pieces * halves)
@@ -442,8 +513,16 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
                     store_rows(row_start, rows, 0, col0)
 
             def expert_item(w):
+                if scales == "channel":  # loaded first: its latency hides behind the MMAs
+                    row_scales = [plgpu.load(
+                        scales_ref.at[grp, half * (n_out // ROWS) + n_block * wgs + wg], (),
+                        layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                        for half in range(halves)]
                 accs = pl.run_scoped(functools.partial(mma, g=g, w=w),
                                      *[plgpu.ACC((ROWS, w), jnp.float32)] * halves)
+                if scales == "channel":
+                    accs = [acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+                            for acc, scale in zip(accs, row_scales, strict=True)]
                 if swiglu:  # silu(gate) * up, in float32
                     gate, up = accs
                     acc = gate / (1.0 + jnp.exp(-gate)) * up
@@ -463,14 +542,14 @@ def _kernel(table, count_ref, x_ref, w_ref, out_ref, w_smem, x_smem, o_smem, rea
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
 @functools.partial(jax.jit, static_argnames=("swiglu", "rows_sorted", "groups_aligned",
                                              "config"))
-def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,
                         row_groups: RowGroups | None = None, *, swiglu: bool = False,
                         rows_sorted: bool = True, groups_aligned: bool = False,
                         config: Config | None = None) -> jax.Array:
-    """x [M, K], W [E, N, K], group_sizes [E] -> [M, N] (see the module docstring).
-    row_groups: the per-row table (`build_row_items`), if the caller has it; rows_sorted
-    False: the rows are not in group order (`RowGroups`). swiglu: W
-    holds gate rows, then up rows -> silu(gate) * up [M, N / 2]; fused into the kernel's
+    """x [M, K], W [E, N, K] (float, or a quantized stack), group_sizes [E] -> [M, N]
+    (see the module docstring). row_groups: the per-row table (`build_row_items`), if the
+    caller has it; rows_sorted False: the rows are not in group order (`RowGroups`).
+    swiglu: W holds gate rows, then up rows -> silu(gate) * up [M, N / 2]; fused into the kernel's
     epilogue on the per-row path (decode), applied after the kernel otherwise (the two
     [64, width] accumulators of a prefill tile would not fit the registers).
     groups_aligned: the caller promises group sizes in multiples of 8 rows (the fast
@@ -480,8 +559,12 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     m, k = x.shape
     e, n, _ = w.shape
     interpret = mosaic_interpret_params()
+    quantized = isinstance(w, QuantizedWeight)
+    weight_bits = (4 if w.kind == "int4" else 8) if quantized else None
+    scales = None if not quantized else "channel" if w.group_size == k else "group"
     cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS,
-                                  swiglu)
+                                  swiglu, weight_bits, scales == "group",
+                                  interpret is not None)
     # (gate and up blocks of block_n rows each: N / 2 must hold whole blocks)
     fused = swiglu and row_items(m, e, cfg) and (n // 2) % cfg.block_n == 0
     halves = 2 if fused else 1
@@ -492,9 +575,11 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
             or n % (halves * cfg.block_n) or k % (cfg.k_pieces * PIECE)):
         raise ValueError(f"mosaic grouped matmul: config {cfg} does not tile "
                          f"M={m} N={n} K={k}")
-    if smem_bytes(cfg, x.dtype.itemsize, halves) > SMEM_BYTES:
-        raise ValueError(f"mosaic grouped matmul: config {cfg} needs "
-                         f"{smem_bytes(cfg, x.dtype.itemsize, halves)} bytes of shared memory")
+    smem = smem_bytes(cfg, x.dtype.itemsize, halves, weight_bits, scales == "group",
+                      interpret is not None)
+    if smem > SMEM_BYTES:
+        raise ValueError(f"mosaic grouped matmul: config {cfg} needs {smem} bytes of "
+                         "shared memory")
     steps = k // (cfg.k_pieces * PIECE)
     n_out = n // halves
     n_blocks = n_out // cfg.block_n
@@ -507,6 +592,13 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         # The item table walks the rows in group order.
         return in_group_order(lambda x: grouped_matmul_mgpu(x, w, group_sizes, swiglu=swiglu,
                                                             config=config), x, row_groups)
+    if quantized:
+        values = w.values
+        # Per channel: [E, 1, N] -> one row of 64 scales per consumer's N block.
+        scale_rows = (w.scales.reshape(e, n // ROWS, ROWS) if scales == "channel"
+                      else w.scales)
+    else:
+        values, scale_rows = w, None
     # Whole 8-row output tiles (see `_kernel`): every group and the zero tail in them.
     aligned = groups_aligned and m % GROUP_ALIGN == 0 and not row_items(m, e, cfg)
     if row_items(m, e, cfg):
@@ -521,21 +613,34 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     grid = max(1, min(cfg.num_ctas or default_ctas, capacity))
 
     stages, pieces, wgs = cfg.num_stages, cfg.k_pieces, cfg.compute_wgs
+    boxes = halves * wgs  # weight boxes per piece
     scratch = [
-        plgpu.SMEM((stages, pieces, halves * wgs, ROWS, PIECE), w.dtype,
-                   transforms=_swizzled()),
+        plgpu.SMEM((stages, pieces, boxes, ROWS, PIECE), values.dtype,
+                   transforms=_swizzled(weight_bits or 16)),
         plgpu.SMEM((stages, pieces, cfg.max_width, PIECE), x.dtype, transforms=_swizzled()),
         plgpu.SMEM((wgs, cfg.max_width, ROWS), x.dtype,
                    transforms=_swizzled() if aligned else ()),
-        # ready: per piece, a weight box per consumer (and half) and the token rows
-        plgpu.Barrier(num_arrivals=(halves * wgs + 1) * pieces, num_barriers=stages),
+        plgpu.SMEM((stages, pieces, boxes, ROWS), jnp.float32) if scales == "group" else None,
+        plgpu.SMEM((wgs, pieces, halves, ROWS, PIECE), x.dtype, transforms=_swizzled())
+        if quantized and interpret is not None else None,
+        # ready: per piece, a weight box (and its scales) per consumer and half, and the
+        # token rows
+        plgpu.Barrier(num_arrivals=(boxes * (2 if scales == "group" else 1) + 1) * pieces,
+                      num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
     ]
     kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid,
                                row_blocks=row_blocks, padded_m=padded_m, swiglu=fused,
-                               aligned=aligned)
+                               aligned=aligned, scales=scales,
+                               group_size=w.group_size if quantized else k)
+
+    def body(table, count_ref, x_ref, w_ref, *refs):
+        scales_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
+        kernel(table, count_ref, x_ref, w_ref, scales_ref, *refs)
+
+    operands = (items, count, x_in, values) + ((scale_rows,) if quantized else ())
     y = plgpu.kernel(
-        kernel,
+        body,
         out_type=jax.ShapeDtypeStruct((m, n_out), x.dtype),
         scratch_types=scratch,
         grid=(grid,), grid_names=("cta",),
@@ -543,18 +648,24 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(items, count, x_in, w)
+    )(*operands)
     return swiglu_halves(y, x.dtype) if swiglu and not fused else y
 
 
 def unsupported_reason(x: jax.Array, w) -> str | None:
     """Why this kernel cannot take these inputs (None if it can)."""
-    if isinstance(w, QuantizedWeight):
-        return (f"{w.kind} expert weights: the Mosaic GPU grouped matmul takes float "
-                "weights only (quantized experts run the XLA reference)")
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"x dtype {x.dtype}: needs bfloat16 or float16"
-    if w.dtype != x.dtype:
+    if isinstance(w, QuantizedWeight):
+        if w.kind not in ("int8", "int4") or w.offsets is not None:
+            form = " with zero points" if w.offsets is not None else ""
+            return (f"{w.kind} expert weights{form}: the Mosaic GPU grouped matmul takes "
+                    "symmetric int8 / int4 (others run the XLA reference)")
+        if w.group_size != w.shape[2] and w.group_size % PIECE:
+            return (f"{w.kind} expert weights in groups of {w.group_size}: the Mosaic GPU "
+                    f"grouped matmul takes per-channel scales or groups of a multiple of "
+                    f"{PIECE}")
+    elif w.dtype != x.dtype:
         return f"weights in {w.dtype}, x in {x.dtype}: needs one dtype"
     _, n, k = w.shape
     if n % ROWS or k % PIECE:

@@ -140,12 +140,14 @@ def test_unsorted_rows_match_oracle(name, implementation, platform):
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("name", ["bf16_decode", "bf16_m1"])
+@pytest.mark.parametrize("name", ["bf16_decode", "bf16_m1", "mxfp4_decode",
+                                  "int4_g32_asym_decode"])
 def test_few_unsorted_rows_reduce_by_row_on_the_gpu_default(name, swiglu, monkeypatch):
     """The Mosaic GPU default for up to ROW_REDUCE_MAX_M unsorted rows (one decode
-    token's k rows): each row against its own group's weights (`grouped_matmul_rows`),
-    not the kernel (patched here to fail), against the oracle; rows shuffled, rows of no
-    group zero. The kernel still runs when forced."""
+    token's k rows) of float weights, or of quantized ones the kernel does not take:
+    each row against its own group's weights (`grouped_matmul_rows`; quantized rows
+    dequantised as gathered), not the kernel (patched here to fail), against the oracle;
+    rows shuffled, rows of no group zero. The kernel still runs when forced."""
     import jaxinfer.grouped_matmul as gm
     from jaxinfer.mosaic import grouped_matmul as mosaic_module
 
@@ -164,7 +166,7 @@ def test_few_unsorted_rows_reduce_by_row_on_the_gpu_default(name, swiglu, monkey
         group[rng.integers(case.m)] = case.e  # a padding token's row, routed nowhere
     rows = jnp.arange(case.m, dtype=jnp.int32)
     with jax.default_matmul_precision("highest"):
-        w = jnp.asarray(b["w"], case.dtype)
+        w = quantize(b["w"], case.fmt) if case.fmt else jnp.asarray(b["w"], case.dtype)
         x = jnp.asarray(b["x"][perm], case.dtype)
         spans = RowGroups(jnp.asarray(group, jnp.int32), rows, rows + 1)
         y = jax.jit(functools.partial(gm.grouped_matmul, rows_sorted=False, swiglu=swiglu))(
@@ -183,6 +185,28 @@ def test_few_unsorted_rows_reduce_by_row_on_the_gpu_default(name, swiglu, monkey
     err = np.abs(y - want)
     worst = np.unravel_index(np.argmax(err - allowance), err.shape)
     assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
+
+
+def test_few_unsorted_quantized_rows_the_kernel_takes_run_it(monkeypatch):
+    """int8 / int4 experts at one decode token run the Mosaic kernel by default (faster
+    than their rows there), not `grouped_matmul_rows`."""
+    import jaxinfer.grouped_matmul as gm
+    from jaxinfer.mosaic import grouped_matmul as mosaic_module
+
+    def kernel_ran(*args, **kwargs):
+        raise AssertionError("the Mosaic kernel ran")
+    monkeypatch.setattr(gm, "default_implementation", lambda: "mosaic_gpu")
+    monkeypatch.setattr(mosaic_module, "grouped_matmul_mgpu", kernel_ran)
+    monkeypatch.setattr(gm, "grouped_matmul_rows", lambda *a, **k: pytest.fail("rows ran"))
+    case = CASES["int8_decode"]
+    b = build(case)
+    rows = jnp.arange(case.m, dtype=jnp.int32)
+    spans = RowGroups(jnp.minimum(rows, case.e), rows, rows + 1)
+    for fmt in ("int8", "int4:g128"):
+        w = quantize(b["w"], fmt)
+        with pytest.raises(AssertionError, match="the Mosaic kernel ran"):
+            gm.grouped_matmul(jnp.asarray(b["x"], jnp.bfloat16), w, jnp.asarray(b["sizes"]),
+                              row_groups=spans, rows_sorted=False)
 
 
 def test_group_sizes_of_every_kind_are_drawn():

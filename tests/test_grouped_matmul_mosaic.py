@@ -27,6 +27,7 @@ from jaxinfer.mosaic.grouped_matmul import (
     row_items,
     smem_bytes,
 )
+from jaxinfer.quant import quantize
 
 gpu = pytest.mark.gpu
 
@@ -74,11 +75,40 @@ ALIGNED_CASES = [
 ]
 
 
-def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=False):
+# Quantized experts (symmetric int8 / int4): per-channel scales on the accumulators and
+# group-wise scales per piece, on both item tables, with two consumers, two pieces a step,
+# the fused swiglu epilogue (gate and up boxes with their own scales) and the aligned store.
+QUANT_CASES = [
+    ("int8_channel_windows", 72, 3, 128, 128, [45, 0, 20],
+     Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2), "int8", {}),
+    ("int4_g64_pieces", 12, 4, 128, 256, [0, 5, 7, 0],
+     Config(max_rows=16, compute_wgs=1, k_pieces=2, num_stages=2, num_ctas=3), "int4:g64", {}),
+    ("int8_g128_swiglu_rows", 20, 24, 256, 256, [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
+     Config(max_rows=32, compute_wgs=2, k_pieces=2, num_stages=2, num_ctas=3), "int8:g128",
+     dict(swiglu=True)),
+    ("int4_channel_swiglu_one_row", 1, 8, 128, 128, [0, 0, 0, 1, 0, 0, 0, 0],
+     Config(max_rows=8, compute_wgs=1, k_pieces=1, num_stages=2, num_ctas=2), "int4",
+     dict(swiglu=True)),
+    ("int8_g64_aligned", 104, 5, 128, 128, [40, 0, 24, 8, 16],
+     Config(max_rows=16, compute_wgs=2, k_pieces=1, num_stages=3, num_ctas=2, last_extra=8),
+     "int8:g64", dict(groups_aligned=True)),
+    # Wide token tiles (the prefill widths, up to 128 + 32 and 256), where a register A
+    # operand left in flight gave wrong sums on the GPU.
+    ("int8_wide_windows", 320, 2, 128, 128, [200, 100],
+     Config(max_rows=128, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2, last_extra=32),
+     "int8", {}),
+    ("int4_g128_aligned_256", 512, 2, 128, 256, [264, 248],
+     Config(max_rows=256, compute_wgs=1, k_pieces=1, num_stages=2, num_ctas=2), "int4:g128",
+     dict(groups_aligned=True)),
+]
+
+
+def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=False, fmt=None):
     rng = np.random.default_rng(0)
     with jax.default_device(jax.devices(platform)[0]):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal((e, n, k)) * 0.05, jnp.bfloat16)
+        w = rng.standard_normal((e, n, k)) * 0.05 + rng.standard_normal((e, n, 1)) * 0.02
+        w = quantize(w, fmt) if fmt else jnp.asarray(w, jnp.bfloat16)
         gs = jnp.asarray(sizes, jnp.int32)
         got = np.asarray(grouped_matmul_mgpu(x, w, gs, swiglu=swiglu, config=cfg,
                                              groups_aligned=groups_aligned)
@@ -114,6 +144,14 @@ def test_swiglu_matches_reference(name, m, e, n, k, sizes, cfg, platform):
                          ids=[c[0] for c in ALIGNED_CASES])
 def test_aligned_groups_match_reference(name, m, e, n, k, sizes, cfg, platform):
     run_case(m, e, n, k, sizes, cfg, platform, groups_aligned=True)
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name,m,e,n,k,sizes,cfg,fmt,options", QUANT_CASES,
+                         ids=[c[0] for c in QUANT_CASES])
+def test_quantized_experts_match_reference(name, m, e, n, k, sizes, cfg, fmt, options,
+                                           platform):
+    run_case(m, e, n, k, sizes, cfg, platform, fmt=fmt, **options)
 
 
 def _check_items(sizes, m, max_rows, last_extra=0):

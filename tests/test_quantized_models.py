@@ -284,3 +284,47 @@ def test_quantized_checkpoint_with_bad_scales_or_format(hf_models, tmp_path):
     cfg["quantization"] = "int5"
     (out / "model_config.json").write_text(json.dumps(cfg))
     _fails_cleanly(["generate", "--model", out, "--prompt", "hi"], "model_config.json")
+
+
+def test_preset_quantized_projections_round_their_float_weights():
+    """`random_model(..., quantize=)` (what `bench --preset --quantize` runs): every
+    decoder-block projection, expert stacks included, is stored in the format and
+    dequantises to the float preset's weight of the same seed within the format's rounding
+    bound; every other parameter is the float preset's own."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.quant import error_bound
+
+    config = preset_config("tiny-moe")
+    plain = dict(nnx.state(random_model(config, jnp.float32), nnx.Param).flat_state())
+    model = random_model(config, jnp.float32, quantize="int4:g32")
+    assert model.config.quantization == "int4:g32"
+    quant = dict(nnx.state(model, nnx.Param).flat_state())
+    projections = 0
+    for path, var in plain.items():
+        key = ".".join(map(str, path))
+        if not is_quantizable(key):
+            np.testing.assert_array_equal(np.asarray(quant[path][...]), np.asarray(var[...]))
+            continue
+        projections += 1
+        scale_path = (*path[:-1], "weight_scale")
+        w = QuantizedWeight(quant[path][...], quant[scale_path][...])
+        assert w.kind == "int4" and w.group_size == 32, key
+        want = np.asarray(var[...])
+        stack = [w] if w.values.ndim == 2 else [w.expert(e) for e in range(w.shape[0])]
+        got = np.asarray(dequantize(w)).reshape(-1, *want.shape[-2:])
+        for e, we in enumerate(stack):
+            err = np.abs(got[e] - want.reshape(got.shape)[e])
+            assert (err <= np.asarray(error_bound(we)) * 1.0001 + 1e-7).all(), key
+    assert projections == 2 * 6  # per layer: q, k, v, o, the experts' gate_up and down
+
+
+@pytest.mark.parametrize("args,must_name", [
+    (["--preset", "tiny", "--quantize", "int3"], "int3"),
+    (["--preset", "tiny", "--quantize", "int4:g128"], "group size 128"),
+    (["--model", "x", "--quantize", "int8"], "--quantize goes with --preset"),
+])
+def test_bench_preset_quantize_errors(args, must_name):
+    _fails_cleanly(["bench", "latency", *args], must_name)
