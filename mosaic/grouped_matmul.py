@@ -63,10 +63,14 @@ Quantized experts (`QuantizedWeight` stacks of int8 or int4 values, symmetric): 
 weight boxes stream in their stored width (half or a quarter of bf16's bytes, the point at
 decode sizes) and become wgmma's A operand from registers, as in the quantized matmul
 (`jaxinfer.mosaic.quantized_matmul`): a consumer loads its box in the upcast register
-layout, converts it to x's dtype, and for group-wise scales (groups of 64 or 128 K
-columns: one group per 64-column piece) multiplies each row by its piece's scale, which
-the producer brings into shared memory beside the box. Per-channel scales multiply the
-float32 accumulator once, in the epilogue.
+layout, converts it to x's dtype, and for group-wise scales multiplies each row by its
+piece's scale, which the producer brings into shared memory beside the box (a piece lies
+in one group: pieces of 128 K columns, `QUANT_PIECE`, or 64 for groups of 64). Per-channel
+scales multiply the float32 accumulator once, in the epilogue. Each step's MMAs are
+waited for before the next step's upcasts (register operands left in flight gave wrong
+sums). Where one consumer would own each N block (decode sizes), two consumers split the
+step's pieces instead (`Config.split_k`): the second hands its partial sums to the first
+through shared memory.
 
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode (tests);
 there the upcast box goes through shared memory (interpret mode has no register A
@@ -94,6 +98,9 @@ from jaxinfer.quant import QuantizedWeight
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
 PIECE = 64  # K columns per TMA box: 128 bytes of bf16, one 128-byte swizzle row
+# Quantized weights: K columns per box where the scales allow (128 bytes of int8), so that
+# each TMA and each upcast moves as much as a bf16 box (`piece_cols`).
+QUANT_PIECE = 128
 MIN_WIDTH = 8  # the narrowest wgmma N
 MAX_WIDTH = 256  # the widest wgmma N
 NUM_SMS = 132  # H100 SXM (the persistent grid on a GPU that does not say)
@@ -114,10 +121,19 @@ class Config:
     # Rows a group's last window may take beyond max_rows, instead of a window of its own
     # (a multiple of 8; max_rows + last_extra <= 256): see `build_items`.
     last_extra: int = 0
+    # The two consumers split each step's K pieces instead of the N block: both own the
+    # same 64 weight rows, and the second hands its partial sums to the first through
+    # shared memory (quantized decode: a consumer's upcasts, not memory, bound the time).
+    split_k: bool = False
+
+    @property
+    def owners(self) -> int:
+        """Consumers owning distinct 64-row parts of the N block."""
+        return 1 if self.split_k else self.compute_wgs
 
     @property
     def block_n(self) -> int:
-        return ROWS * self.compute_wgs
+        return ROWS * self.owners
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -142,16 +158,19 @@ def _pow2_at_least(v: float) -> int:
 
 
 def smem_bytes(cfg: Config, itemsize: int = 2, halves: int = 1, weight_bits: int | None = None,
-               grouped: bool = False, interpret: bool = False) -> int:
+               grouped: bool = False, interpret: bool = False, piece: int = PIECE) -> int:
     """Shared memory of a config; halves = 2 when each item streams a gate and an up block;
     weight_bits: quantized values' width (None: the weights are in x's dtype), grouped:
-    with group-wise scales; interpret: with the upcast boxes' buffer of interpret mode."""
+    with group-wise scales; interpret: with the upcast boxes' buffer of interpret mode;
+    piece: K columns per box."""
     w_rows = halves * cfg.block_n  # weight rows per piece
-    w_bytes = w_rows * PIECE * (weight_bits or 8 * itemsize) // 8 + (w_rows * 4 if grouped else 0)
-    ring = cfg.num_stages * cfg.k_pieces * (w_bytes + cfg.max_width * PIECE * itemsize)
+    w_bytes = w_rows * piece * (weight_bits or 8 * itemsize) // 8 + (w_rows * 4 if grouped else 0)
+    ring = cfg.num_stages * cfg.k_pieces * (w_bytes + cfg.max_width * piece * itemsize)
     out = cfg.compute_wgs * cfg.max_width * ROWS * itemsize
-    upcast = cfg.k_pieces * w_rows * PIECE * itemsize if interpret and weight_bits else 0
-    return ring + out + upcast + 1024  # barriers and alignment
+    partial = halves * ROWS * cfg.max_width * 4 if cfg.split_k else 0
+    upcast = (cfg.compute_wgs * cfg.k_pieces * halves * ROWS * piece * itemsize
+              if interpret and weight_bits else 0)
+    return ring + out + partial + upcast + 1024  # barriers and alignment
 
 
 def num_sms() -> int:
@@ -161,7 +180,7 @@ def num_sms() -> int:
 
 def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
                   swiglu: bool = False, weight_bits: int | None = None,
-                  grouped: bool = False, interpret: bool = False) -> Config:
+                  grouped: bool = False, interpret: bool = False, piece: int = PIECE) -> Config:
     """Static heuristics from the shapes (group sizes are only known on the device).
 
     max_rows: about three times the mean rows per expert (M / E), so that even a busy
@@ -178,9 +197,9 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     per-row table (`row_items`). When groups span several 128-row windows, a last window
     of up to 32 rows joins the one before (`last_extra`). swiglu (N = 2 N'): the ring
     fits the gate and up blocks an item streams when its epilogue can fuse them.
-    Quantized weights (weight_bits 8 or 4) keep the same tiles, with four K pieces per step
-    at decode sizes (their boxes are smaller, and each step ends waiting on its MMAs);
-    their smaller boxes leave room for more ring slots.
+    Quantized weights (weight_bits 8 or 4; pieces of `piece` K columns, `piece_cols`) keep
+    the same tiles; their smaller boxes leave room for more ring slots. Where one consumer
+    would own each N block, two split each step's K pieces (`split_k`).
     """
     mean_rows = m / e
     if m <= min(MAX_ROW_ITEMS_M, e):  # every group fits one window: the per-row table
@@ -193,24 +212,33 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     extra = max_rows // 4 if max_rows == 128 and mean_rows >= max_rows else 0
     hit = min(m, e)
     wgs = 2 if n % (2 * ROWS) == 0 and hit * (n // (2 * ROWS)) >= sms else 1
-    # (Quantized: the step's pieces are MMAs between two waits, `_kernel`; four a step
-    # when they do not hold a swiglu item's gate and up boxes, for the registers.)
-    pieces = 2 if max_rows <= 64 and k % (2 * PIECE) == 0 else 1
-    if weight_bits and pieces == 2 and not swiglu and k % (4 * PIECE) == 0:
-        pieces = 4
-    cfg = Config(max_rows=max_rows, compute_wgs=wgs, k_pieces=pieces, num_stages=8,
-                 last_extra=extra)
+    pieces = 2 if max_rows <= 64 and k % (2 * piece) == 0 else 1
+    # Quantized, one consumer's worth of N blocks: two consumers split K instead.
+    split = bool(weight_bits) and wgs == 1 and pieces % 2 == 0
+    cfg = Config(max_rows=max_rows, compute_wgs=2 if split else wgs, k_pieces=pieces,
+                 num_stages=8, last_extra=extra, split_k=split)
     halves = 2 if swiglu and row_items(m, e, cfg) else 1
-    while (smem_bytes(cfg, 2, halves, weight_bits, grouped, interpret) > SMEM_BYTES
+    while (smem_bytes(cfg, 2, halves, weight_bits, grouped, interpret, piece) > SMEM_BYTES
            and cfg.num_stages > 2):
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
 
 
-def _swizzled(bits: int = 16):
-    """64-column pieces of `bits`-wide elements: 8-row tiles, swizzled by the row's bytes
-    (bf16/f16: 128, the swizzle wgmma reads; int8 64 and int4 32, read into registers)."""
-    return (plgpu.TilingTransform((8, PIECE)), plgpu.SwizzleTransform(PIECE * bits // 8))
+def _swizzled(bits: int = 16, cols: int = PIECE):
+    """Pieces of `cols` `bits`-wide elements: 8-row tiles of up to 128 bytes a row, swizzled
+    by that row (bf16/f16: 128 bytes, the swizzle wgmma reads; int8 and int4 pieces are
+    read into registers)."""
+    swizzle = min(128, cols * bits // 8)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def piece_cols(w, k: int) -> int:
+    """K columns per box: PIECE for float weights; QUANT_PIECE for quantized ones whose
+    scale groups hold whole boxes (per channel, or groups of a multiple of it), else
+    PIECE (groups of 64)."""
+    if not isinstance(w, QuantizedWeight) or k % QUANT_PIECE:
+        return PIECE
+    return QUANT_PIECE if w.group_size % QUANT_PIECE == 0 else PIECE
 
 
 def row_items(m: int, e: int, cfg: Config) -> bool:
@@ -326,9 +354,9 @@ def _row_item(table, row, num_experts: int, padded_m: int, cfg: Config):
 
 
 def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem, o_smem,
-            s_smem, a_smem, ready, free, *, cfg: Config, num_experts: int, steps: int,
-            grid: int, row_blocks: int | None, padded_m: int, swiglu: bool, aligned: bool,
-            scales: str | None, group_size: int):
+            s_smem, a_smem, p_smem, ready, free, handoff, *, cfg: Config, num_experts: int,
+            steps: int, grid: int, row_blocks: int | None, padded_m: int, swiglu: bool,
+            aligned: bool, scales: str | None, group_size: int, piece: int):
     """table: the item table's ref (`build_items`) when row_blocks is None; else the
     per-row table's refs (`build_row_items`), and row_blocks the N blocks: item i is
     (row, N block) = divmod(i, row_blocks).
@@ -336,7 +364,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
     swiglu: each item streams its N block of the gate rows and the same block of the up
     rows (N' = out_ref's width further on) into two accumulators, and stores
     silu(gate) * up; w_smem holds the gate boxes at [.., c] and the up boxes at
-    [.., wgs + c].
+    [.., owners + c].
 
     aligned: every item's rows start and end on 8-row boundaries of x and of its tile
     (`groups_aligned`), and o_smem is swizzled: the output boxes are whole 8-row tiles.
@@ -344,9 +372,16 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
     scales: None for float weights; "channel": quantized w_ref, scales_ref [E, N / 64, 64]
     float32, applied to the accumulators; "group": quantized w_ref, scales_ref
     [E, K / group_size, N], a row per piece brought into s_smem [stages, pieces, boxes, 64]
-    beside the weight boxes. a_smem: interpret mode's upcast boxes [wgs, 64, 64]."""
+    beside the weight boxes. piece: K columns per box (64, or 128 for quantized weights).
+    a_smem: interpret mode's upcast boxes [wgs, pieces, halves, 64, piece].
+
+    cfg.split_k: consumer c takes pieces c, c + 2, ... of every step; the second writes its
+    accumulators to p_smem [halves, 64, max_width] float32 and the first adds them
+    (handoff barriers: [0] the partial sums are written, [1] they were read)."""
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     wgs, stages, pieces = cfg.compute_wgs, cfg.num_stages, cfg.k_pieces
+    owners = cfg.owners
+    mine = 0 if cfg.split_k else wg  # this consumer's part of the N block
     halves = 2 if swiglu else 1
     n_out = out_ref.shape[1]
     count = count_ref[0]
@@ -370,7 +405,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
         plgpu.set_max_registers(40, action="decrease")
 
         def load_tokens(load_start, k0, slot, p, w):
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(load_start, w), pl.ds(k0, PIECE)],
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(load_start, w), pl.ds(k0, piece)],
                                     x_smem.at[slot, p, pl.ds(0, w)], ready.at[slot])
 
         def item(j, g):
@@ -386,14 +421,14 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                     def _():
                         plgpu.barrier_wait(free.at[slot])
                     for p in range(pieces):
-                        k0 = pl.multiple_of((s * pieces + p) * PIECE, PIECE)
-                        # one 64 x 64 box per consumer (and half: gate, then up)
-                        for half, c in itertools.product(range(halves), range(wgs)):
-                            row0 = pl.multiple_of(half * n_out + (n_block * wgs + c) * ROWS,
-                                                  ROWS)
-                            box = half * wgs + c
+                        k0 = pl.multiple_of((s * pieces + p) * piece, piece)
+                        # one 64 x 64 box per part of the N block (and half: gate, up)
+                        for half, c in itertools.product(range(halves), range(owners)):
+                            row0 = pl.multiple_of(
+                                half * n_out + (n_block * owners + c) * ROWS, ROWS)
+                            box = half * owners + c
                             plgpu.copy_gmem_to_smem(
-                                w_ref.at[grp, pl.ds(row0, ROWS), pl.ds(k0, PIECE)],
+                                w_ref.at[grp, pl.ds(row0, ROWS), pl.ds(k0, piece)],
                                 w_smem.at[slot, p, box], ready.at[slot])
                             if scales == "group":  # the rows' scales for this piece
                                 plgpu.copy_gmem_to_smem(
@@ -437,10 +472,12 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                 done = done + (rows & box)
                 box //= 2  # (rows < 2 * max_rows: the digits from max_rows down)
 
-        def weights(slot, p, box):
-            """wgmma's A operand for a weight box: the box itself (float weights), or the
-            box upcast to x's dtype in registers and scaled by its group's scales (in
-            interpret mode, written to the box's own upcast buffer)."""
+        def weights(slot, p, half, j):
+            """wgmma's A operand for this consumer's weight box of piece p (the j-th piece
+            it takes this step) and half: the box itself (float weights), or the box upcast
+            to x's dtype in registers and scaled by its group's scales (in interpret mode,
+            written to its own upcast buffer)."""
+            box = half * owners + mine
             if scales is None:
                 return w_smem.at[slot, p, box]
             # The upcast register layout (int4 loads in it too), then wgmma's A layout.
@@ -453,9 +490,9 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                                    layout=plgpu.Layout.WGMMA.reduce(1))
                 a = a * lax.broadcast_in_dim(scale.astype(a.dtype), a.shape, [0])
             if a_smem is not None:  # interpret mode: wgmma's A operand must be in SMEM
-                a_smem.at[wg, p, box // wgs][...] = a
+                a_smem.at[wg, j, half][...] = a
                 plgpu.commit_smem()
-                return a_smem.at[wg, p, box // wgs]
+                return a_smem.at[wg, j, half]
             return a
 
         def mma(*acc_refs, g, w):
@@ -464,13 +501,16 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                 gs = g + s
                 slot = lax.rem(gs, stages)
                 plgpu.barrier_wait(ready.at[slot])
+                # This consumer's pieces: all, or every other one (split_k).
+                taken = ([j * wgs + wg for j in range(pieces // wgs)] if cfg.split_k
+                         else list(range(pieces)))
                 # Every A operand of the step first (quantized: upcast into registers).
-                a_ops = [[weights(slot, p, half * wgs + wg) for half in range(halves)]
-                         for p in range(pieces)]
-                for p in range(pieces):
+                a_ops = [[weights(slot, p, half, j) for half in range(halves)]
+                         for j, p in enumerate(taken)]
+                for j, p in enumerate(taken):
                     x_tile = x_smem.at[slot, p, pl.ds(0, w)].transpose((1, 0))
                     for half, acc_ref in enumerate(acc_refs):
-                        plgpu.wgmma(acc_ref, a_ops[p][half], x_tile)
+                        plgpu.wgmma(acc_ref, a_ops[j][half], x_tile)
                 if scales is not None:
                     # Register A operands are not left in flight past the step: with the
                     # next step's upcasts running under them, token tiles of 64 rows and
@@ -480,7 +520,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                     plgpu.wgmma_wait(0)
                 # This step's MMAs may still run; the previous step's are done, so its
                 # slot goes back to the producer.
-                plgpu.wgmma_wait(pieces * halves)
+                plgpu.wgmma_wait(len(taken) * halves)
 
                 @pl.when(s > 0)
                 def _():
@@ -492,7 +532,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
 
         def item(j, g):
             grp, n_block, row_start, rows, width, load_start = fields(j)
-            col0 = (n_block * wgs + wg) * ROWS
+            col0 = (n_block * owners + mine) * ROWS
 
             def store_tile(values, w, shift):
                 """values [ROWS features, w tokens] float32 -> out rows (transposed)."""
@@ -501,7 +541,8 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                 plgpu.commit_smem()
                 store_rows(row_start, rows, shift, col0)
 
-            @pl.when(grp == num_experts)
+            # (split_k: the first consumer stores the tile both computed)
+            @pl.when((grp == num_experts) & (wg == 0 if cfg.split_k else True))
             def _zero_tail():
                 if aligned:  # (a splat cannot be stored to the swizzled tile)
                     zeros = jnp.zeros((ROWS, cfg.max_width), jnp.float32)
@@ -515,21 +556,43 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
             def expert_item(w):
                 if scales == "channel":  # loaded first: its latency hides behind the MMAs
                     row_scales = [plgpu.load(
-                        scales_ref.at[grp, half * (n_out // ROWS) + n_block * wgs + wg], (),
-                        layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                        scales_ref.at[grp, half * (n_out // ROWS) + n_block * owners + mine],
+                        (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                         for half in range(halves)]
                 accs = pl.run_scoped(functools.partial(mma, g=g, w=w),
                                      *[plgpu.ACC((ROWS, w), jnp.float32)] * halves)
-                if scales == "channel":
-                    accs = [acc * lax.broadcast_in_dim(scale, acc.shape, [0])
-                            for acc, scale in zip(accs, row_scales, strict=True)]
-                if swiglu:  # silu(gate) * up, in float32
-                    gate, up = accs
-                    acc = gate / (1.0 + jnp.exp(-gate)) * up
-                else:
-                    (acc,) = accs
                 plgpu.barrier_arrive(free.at[lax.rem(g + steps - 1, stages)])
-                store_tile(acc, w, row_start - load_start)
+
+                def finish(accs):
+                    if scales == "channel":
+                        accs = [acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+                                for acc, scale in zip(accs, row_scales, strict=True)]
+                    if swiglu:  # silu(gate) * up, in float32
+                        gate, up = accs
+                        acc = gate / (1.0 + jnp.exp(-gate)) * up
+                    else:
+                        (acc,) = accs
+                    store_tile(acc, w, row_start - load_start)
+
+                if not cfg.split_k:
+                    finish(accs)
+                    return
+
+                @pl.when(wg == 1)
+                def _hand_over():
+                    for half, acc in enumerate(accs):
+                        p_smem.at[half, :, pl.ds(0, w)][...] = acc
+                    plgpu.barrier_arrive(handoff.at[0])
+                    plgpu.barrier_wait(handoff.at[1])  # read: p_smem free again
+
+                @pl.when(wg == 0)
+                def _take_over():
+                    plgpu.barrier_wait(handoff.at[0])
+                    total = [acc + plgpu.load(p_smem.at[half, :, pl.ds(0, w)], (),
+                                              layout=plgpu.Layout.WGMMA, optimized=False)
+                             for half, acc in enumerate(accs)]
+                    plgpu.barrier_arrive(handoff.at[1])
+                    finish(total)
 
             for wi, w in enumerate(cfg.widths):  # the item's width only
                 pl.when((grp < num_experts) & (width == wi))(functools.partial(expert_item, w))
@@ -562,25 +625,27 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     quantized = isinstance(w, QuantizedWeight)
     weight_bits = (4 if w.kind == "int4" else 8) if quantized else None
     scales = None if not quantized else "channel" if w.group_size == k else "group"
+    piece = piece_cols(w, k)
     cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS,
                                   swiglu, weight_bits, scales == "group",
-                                  interpret is not None)
+                                  interpret is not None, piece)
     # (gate and up blocks of block_n rows each: N / 2 must hold whole blocks)
     fused = swiglu and row_items(m, e, cfg) and (n // 2) % cfg.block_n == 0
     halves = 2 if fused else 1
     # A consumer hands a slot back only after issuing the next step: two slots at least.
     if (cfg.max_rows not in (8, 16, 32, 64, 128, 256) or cfg.compute_wgs not in (1, 2)
+            or cfg.split_k and (cfg.compute_wgs != 2 or cfg.k_pieces % 2)
             or cfg.num_stages < 2 or cfg.last_extra % MIN_WIDTH
             or not 0 <= cfg.last_extra < cfg.max_rows or cfg.max_width > MAX_WIDTH
-            or n % (halves * cfg.block_n) or k % (cfg.k_pieces * PIECE)):
+            or n % (halves * cfg.block_n) or k % (cfg.k_pieces * piece)):
         raise ValueError(f"mosaic grouped matmul: config {cfg} does not tile "
                          f"M={m} N={n} K={k}")
     smem = smem_bytes(cfg, x.dtype.itemsize, halves, weight_bits, scales == "group",
-                      interpret is not None)
+                      interpret is not None, piece)
     if smem > SMEM_BYTES:
         raise ValueError(f"mosaic grouped matmul: config {cfg} needs {smem} bytes of "
                          "shared memory")
-    steps = k // (cfg.k_pieces * PIECE)
+    steps = k // (cfg.k_pieces * piece)
     n_out = n // halves
     n_blocks = n_out // cfg.block_n
     # Every token window lies inside x, in whole 8-row tiles.
@@ -613,26 +678,30 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     grid = max(1, min(cfg.num_ctas or default_ctas, capacity))
 
     stages, pieces, wgs = cfg.num_stages, cfg.k_pieces, cfg.compute_wgs
-    boxes = halves * wgs  # weight boxes per piece
+    boxes = halves * cfg.owners  # weight boxes per piece
     scratch = [
-        plgpu.SMEM((stages, pieces, boxes, ROWS, PIECE), values.dtype,
-                   transforms=_swizzled(weight_bits or 16)),
-        plgpu.SMEM((stages, pieces, cfg.max_width, PIECE), x.dtype, transforms=_swizzled()),
+        plgpu.SMEM((stages, pieces, boxes, ROWS, piece), values.dtype,
+                   transforms=_swizzled(weight_bits or 16, piece)),
+        plgpu.SMEM((stages, pieces, cfg.max_width, piece), x.dtype,
+                   transforms=_swizzled(16, piece)),
         plgpu.SMEM((wgs, cfg.max_width, ROWS), x.dtype,
                    transforms=_swizzled() if aligned else ()),
         plgpu.SMEM((stages, pieces, boxes, ROWS), jnp.float32) if scales == "group" else None,
-        plgpu.SMEM((wgs, pieces, halves, ROWS, PIECE), x.dtype, transforms=_swizzled())
+        plgpu.SMEM((wgs, pieces, halves, ROWS, piece), x.dtype,
+                   transforms=_swizzled(16, piece))
         if quantized and interpret is not None else None,
+        plgpu.SMEM((halves, ROWS, cfg.max_width), jnp.float32) if cfg.split_k else None,
         # ready: per piece, a weight box (and its scales) per consumer and half, and the
         # token rows
         plgpu.Barrier(num_arrivals=(boxes * (2 if scales == "group" else 1) + 1) * pieces,
                       num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
+        plgpu.Barrier(num_arrivals=1, num_barriers=2) if cfg.split_k else None,  # handoff
     ]
     kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid,
                                row_blocks=row_blocks, padded_m=padded_m, swiglu=fused,
                                aligned=aligned, scales=scales,
-                               group_size=w.group_size if quantized else k)
+                               group_size=w.group_size if quantized else k, piece=piece)
 
     def body(table, count_ref, x_ref, w_ref, *refs):
         scales_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)

@@ -9,6 +9,8 @@ cases run natively under `pytest -m gpu`.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,9 @@ CASES = [
      Config(max_rows=16, compute_wgs=2, k_pieces=1, num_stages=3, num_ctas=2, last_extra=8)),
     ("pieces_small_m", 12, 4, 128, 256, [0, 5, 7, 0],
      Config(max_rows=16, compute_wgs=1, k_pieces=2, num_stages=2, num_ctas=3)),
+    # The two consumers split K (`split_k`), partial sums handed over in shared memory.
+    ("split_k_tail", 40, 5, 128, 256, [3, 9, 1, 14, 6],
+     Config(max_rows=16, compute_wgs=2, k_pieces=2, num_stages=3, num_ctas=2, split_k=True)),
     # Per-row items (M <= max_rows, M <= E): unaligned starts, empty experts, a zero
     # tail, two consumers, rows that start no group (their items skipped between live ones).
     ("row_items_tail", 20, 24, 128, 128, [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
@@ -76,15 +81,16 @@ ALIGNED_CASES = [
 
 
 # Quantized experts (symmetric int8 / int4): per-channel scales on the accumulators and
-# group-wise scales per piece, on both item tables, with two consumers, two pieces a step,
-# the fused swiglu epilogue (gate and up boxes with their own scales) and the aligned store.
+# group-wise scales per piece (pieces of 128 K columns, or 64 for groups of 64), on both
+# item tables, with two consumers, two pieces a step, the fused swiglu epilogue (gate and
+# up boxes with their own scales) and the aligned store.
 QUANT_CASES = [
     ("int8_channel_windows", 72, 3, 128, 128, [45, 0, 20],
      Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2), "int8", {}),
     ("int4_g64_pieces", 12, 4, 128, 256, [0, 5, 7, 0],
      Config(max_rows=16, compute_wgs=1, k_pieces=2, num_stages=2, num_ctas=3), "int4:g64", {}),
     ("int8_g128_swiglu_rows", 20, 24, 256, 256, [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
-     Config(max_rows=32, compute_wgs=2, k_pieces=2, num_stages=2, num_ctas=3), "int8:g128",
+     Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=3), "int8:g128",
      dict(swiglu=True)),
     ("int4_channel_swiglu_one_row", 1, 8, 128, 128, [0, 0, 0, 1, 0, 0, 0, 0],
      Config(max_rows=8, compute_wgs=1, k_pieces=1, num_stages=2, num_ctas=2), "int4",
@@ -92,6 +98,15 @@ QUANT_CASES = [
     ("int8_g64_aligned", 104, 5, 128, 128, [40, 0, 24, 8, 16],
      Config(max_rows=16, compute_wgs=2, k_pieces=1, num_stages=3, num_ctas=2, last_extra=8),
      "int8:g64", dict(groups_aligned=True)),
+    # Consumers splitting K (quantized decode's default): item table with a zero tail and
+    # several widths; per-row items with the fused swiglu (gate and up partial sums).
+    ("int8_split_k_windows_tail", 72, 3, 128, 512, [45, 0, 20],
+     Config(max_rows=32, compute_wgs=2, k_pieces=2, num_stages=3, num_ctas=2, split_k=True),
+     "int8", {}),
+    ("int4_g64_split_k_swiglu_rows", 20, 24, 256, 256,
+     [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
+     Config(max_rows=32, compute_wgs=2, k_pieces=2, num_stages=2, num_ctas=3, split_k=True),
+     "int4:g64", dict(swiglu=True)),
     # Wide token tiles (the prefill widths, up to 128 + 32 and 256), where a register A
     # operand left in flight gave wrong sums on the GPU.
     ("int8_wide_windows", 320, 2, 128, 128, [200, 100],
@@ -256,3 +271,15 @@ def test_choose_config_fits_shared_memory():
         cfg = choose_config(m, e, n, k)
         assert n % cfg.block_n == 0 and k % (64 * cfg.k_pieces) == 0
         assert smem_bytes(cfg) <= SMEM_BYTES and cfg.num_stages >= 2
+    # Quantized experts (pieces of 128 K columns, their scales in the ring for groups),
+    # with and without the fused swiglu; consumers split K where one would own each block.
+    for (m, e, n, k), bits, swiglu in itertools.product(
+            [(8, 128, 1536, 2048), (8, 128, 2048, 768), (64, 8, 28672, 4096),
+             (32768, 128, 1536, 2048)], (8, 4), (False, True)):
+        cfg = choose_config(m, e, n, k, swiglu=swiglu, weight_bits=bits, grouped=True,
+                            piece=128)
+        halves = 2 if swiglu and row_items(m, e, cfg) else 1
+        assert n % (halves * cfg.block_n) == 0 and k % (128 * cfg.k_pieces) == 0
+        assert smem_bytes(cfg, 2, halves, bits, True, False, 128) <= SMEM_BYTES
+        assert cfg.num_stages >= 2
+        assert cfg.split_k == (cfg.compute_wgs == 2 and cfg.block_n == 64)
