@@ -14,9 +14,10 @@ W [E, N, K] bf16 (`jaxinfer.grouped_matmul`). Expert shapes:
 --quantize int8 (or int4, int8:g128, ...): the expert weights quantized (`jaxinfer.quant`);
 the floor then counts their stored bytes (values and scales), the reference dequantises
 the stack and runs ragged_dot, and ragged_dot_mgpu (bf16 only) gets the dequantised bf16
-stack: the bf16 kernel one would run instead. Where a token's rows are at most
-`ROW_REDUCE_MAX_M` the log also times `grouped_matmul_rows`, the default at one decode
-token.
+stack: the bf16 kernel one would run instead. Formats the kernel does not upcast itself
+(fp8, mxfp4, ...) it takes dequantised whole first. The log also times
+`grouped_matmul_rows` where it is the default at decode: float rows up to
+`ROW_REDUCE_MAX_M`, rows of those formats up to min(E, `QUANT_ROWS_MAX_M`).
 Routing is drawn at random: each token picks top_k distinct experts uniformly. Each cell
 cycles over `--draws` routings (so back-to-back calls mostly hit other experts, as the
 layers of a decode step would: weights come from HBM, not L2).
@@ -61,6 +62,7 @@ from quantized_matmul import Cell, Rotating, disagreement, short  # bench/ helpe
 from jaxinfer.bench import measure_ceilings, median_seconds
 from jaxinfer.grouped_matmul import (
     GROUP_ALIGN,
+    QUANT_ROWS_MAX_M,
     ROW_REDUCE_MAX_M,
     grouped_matmul,
     grouped_matmul_rows,
@@ -262,7 +264,9 @@ def main():
                     cell_xla = timed(f"{label} ragged_dot", ref, arg_sets)
                 cell_mgpu = (Cell(note="skipped") if a.no_mgpu or want is None
                              else time_mgpu(arg_sets, want))
-                if m <= ROW_REDUCE_MAX_M and want is not None:  # the one-token default
+                rows_max = (min(e, QUANT_ROWS_MAX_M) if a.quantize and a.quantize.split(":")[0]
+                            in ("fp8", "mxfp4") else ROW_REDUCE_MAX_M)
+                if m <= rows_max and want is not None:  # the decode default
                     rows_fn = jax.jit(lambda x, w, gs: grouped_matmul_rows(
                         x, w, jnp.repeat(jnp.arange(gs.shape[0], dtype=jnp.int32), gs,
                                          total_repeat_length=x.shape[0])))

@@ -28,11 +28,11 @@ The MoE layer (`jaxinfer.models.moe`) sorts its (token, expert) pairs by expert 
 layer and makes one call per projection over all experts. `grouped_matmul` picks the
 implementation in one place: the Mosaic GPU kernel on Hopper, the Pallas TPU kernel on
 TPU, the pure-JAX reference elsewhere; a kernel that cannot take the inputs (its
-`unsupported_reason`: the Mosaic kernel takes float and symmetric int8 / int4 experts)
-falls back to the reference. On Hopper a few unsorted rows (one decode token's k
-experts) of float weights, or of quantized ones the kernel does not take, are a gather, a
-multiply and a row reduction in XLA (`grouped_matmul_rows`), which measured faster there
-than the kernel for float weights.
+`unsupported_reason`) falls back to the reference. On Hopper, rows are a gather, a
+multiply and a row reduction in XLA (`grouped_matmul_rows`) for one decode token's k
+experts of float weights (faster there than the kernel), and for decode steps of the
+quantized formats the Mosaic kernel would dequantise whole first (fp8, MXFP4, zero
+points, groups of 32); it upcasts symmetric int8 / int4 experts itself.
 """
 
 from __future__ import annotations
@@ -89,6 +89,10 @@ def grouped_matmul_reference(x: jax.Array, w: ExpertWeights, group_sizes: jax.Ar
 # (`grouped_matmul_rows`), not with the Mosaic kernel: float weights, and quantized ones
 # the kernel does not take.
 ROW_REDUCE_MAX_M = 8
+# Quantized weights the Mosaic kernel does not upcast itself (`upcasts_in_registers`) reduce
+# by row on the GPU up to this many rows, and no more than the experts: below that, reading
+# each row's expert as stored costs less than dequantising the whole stack.
+QUANT_ROWS_MAX_M = 128
 
 
 def grouped_matmul_rows(x: jax.Array, w: ExpertWeights, group: jax.Array, *,
@@ -148,13 +152,20 @@ def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
     unsorted = None if rows_sorted else row_groups  # what in_group_order must sort by
     impl = implementation or default_implementation()
     if impl == "mosaic_gpu":
-        from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu, unsupported_reason
-        # One decode token's rows: float weights reduce by row (faster than the kernel
-        # there), and so do quantized ones the kernel does not take; int8 / int4 ones
-        # run the kernel, faster than their rows (bench/NOTES.md, grouped matmul v10).
-        if (implementation is None and not rows_sorted and x.shape[0] <= ROW_REDUCE_MAX_M
-                and (not isinstance(w, QuantizedWeight)
-                     or unsupported_reason(x, w) is not None)):
+        from jaxinfer.mosaic.grouped_matmul import (
+            grouped_matmul_mgpu,
+            unsupported_reason,
+            upcasts_in_registers,
+        )
+        m, e = x.shape[0], w.shape[0]
+        if implementation is None and row_groups is not None and (
+                # One decode token's rows of float weights: faster by row than the kernel.
+                not isinstance(w, QuantizedWeight) and not rows_sorted
+                and m <= ROW_REDUCE_MAX_M
+                # Decode rows of quantized formats the kernel would dequantise whole
+                # first (fp8, MXFP4, ...): each row reads only its expert, as stored.
+                or isinstance(w, QuantizedWeight) and not upcasts_in_registers(w)
+                and m <= min(e, QUANT_ROWS_MAX_M)):
             return grouped_matmul_rows(x, w, row_groups.group, swiglu=swiglu)
         if implementation is None and unsupported_reason(x, w) is not None:
             impl = "reference"

@@ -74,10 +74,11 @@ through shared memory.
 
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode (tests);
 there the upcast box goes through shared memory (interpret mode has no register A
-operand). Constraints (else `unsupported_reason`): float weights in x's dtype, or int8 /
-int4 symmetric weights, per channel or in groups of 64 or 128; x bf16 or f16; N and K
-multiples of 64. Other quantized experts (fp8, MXFP4, int4 in groups of 32, zero points)
-go to the reference (XLA), or at one decode token to `grouped_matmul_rows`.
+operand). Constraints (else `unsupported_reason`): float weights in x's dtype or
+quantized ones; x bf16 or f16; N and K multiples of 64. Quantized experts the kernel does
+not upcast itself (fp8, MXFP4, zero points, groups of 32: `upcasts_in_registers`) are
+dequantised into a float stack by XLA first, which suits prefill sizes; at decode sizes
+the dispatcher reduces their rows by row instead (`jaxinfer.grouped_matmul`).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ from jax import lax
 
 from jaxinfer.backend import mosaic_interpret_params
 from jaxinfer.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order, swiglu_halves
-from jaxinfer.quant import QuantizedWeight
+from jaxinfer.quant import QuantizedWeight, dequantize
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
 PIECE = 64  # K columns per TMA box: 128 bytes of bf16, one 128-byte swizzle row
@@ -619,6 +620,10 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     epilogue; ignored where M is not a multiple of 8 or the per-row table is used)."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic grouped matmul: {reason}")
+    if isinstance(w, QuantizedWeight) and not upcasts_in_registers(w):
+        # Whole-stack dequantisation: a cost for prefill sizes; the dispatcher reduces
+        # decode rows of these formats by row instead (`jaxinfer.grouped_matmul`).
+        w = dequantize(w, x.dtype)
     m, k = x.shape
     e, n, _ = w.shape
     interpret = mosaic_interpret_params()
@@ -721,20 +726,20 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     return swiglu_halves(y, x.dtype) if swiglu and not fused else y
 
 
+def upcasts_in_registers(w: QuantizedWeight) -> bool:
+    """Whether the kernel streams these quantized weights as stored and upcasts them in
+    registers: symmetric int8 / int4, per channel or in groups of a multiple of PIECE.
+    Others (fp8, MXFP4, zero points, groups of 32) it takes dequantised into a float stack
+    by XLA first."""
+    return (w.kind in ("int8", "int4") and w.offsets is None
+            and (w.group_size == w.shape[2] or w.group_size % PIECE == 0))
+
+
 def unsupported_reason(x: jax.Array, w) -> str | None:
     """Why this kernel cannot take these inputs (None if it can)."""
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"x dtype {x.dtype}: needs bfloat16 or float16"
-    if isinstance(w, QuantizedWeight):
-        if w.kind not in ("int8", "int4") or w.offsets is not None:
-            form = " with zero points" if w.offsets is not None else ""
-            return (f"{w.kind} expert weights{form}: the Mosaic GPU grouped matmul takes "
-                    "symmetric int8 / int4 (others run the XLA reference)")
-        if w.group_size != w.shape[2] and w.group_size % PIECE:
-            return (f"{w.kind} expert weights in groups of {w.group_size}: the Mosaic GPU "
-                    f"grouped matmul takes per-channel scales or groups of a multiple of "
-                    f"{PIECE}")
-    elif w.dtype != x.dtype:
+    if not isinstance(w, QuantizedWeight) and w.dtype != x.dtype:
         return f"weights in {w.dtype}, x in {x.dtype}: needs one dtype"
     _, n, k = w.shape
     if n % ROWS or k % PIECE:
