@@ -16,8 +16,9 @@ the floor then counts their stored bytes (values and scales), the reference dequ
 the stack and runs ragged_dot, and ragged_dot_mgpu (bf16 only) gets the dequantised bf16
 stack: the bf16 kernel one would run instead. Formats the kernel does not upcast itself
 (fp8, mxfp4, ...) it takes dequantised whole first. The log also times
-`grouped_matmul_rows` where it is the default at decode: float rows up to
-`ROW_REDUCE_MAX_M`, rows of those formats up to min(E, `QUANT_ROWS_MAX_M`).
+`grouped_matmul_rows` where it is the default at decode (float rows up to
+`ROW_REDUCE_MAX_M`, rows of those formats up to min(E, `QUANT_ROWS_MAX_M`)), and at one
+token for int8 / int4 experts, for comparison.
 Routing is drawn at random: each token picks top_k distinct experts uniformly. Each cell
 cycles over `--draws` routings (so back-to-back calls mostly hit other experts, as the
 layers of a decode step would: weights come from HBM, not L2).
@@ -68,6 +69,7 @@ from jaxinfer.grouped_matmul import (
     grouped_matmul_rows,
 )
 from jaxinfer.models.moe import aligns_groups
+from jaxinfer.mosaic.grouped_matmul import upcasts_in_registers
 from jaxinfer.quant import dequantize, quantize
 
 MODELS = {  # name: (experts, top_k, hidden, expert intermediate)
@@ -264,13 +266,17 @@ def main():
                     cell_xla = timed(f"{label} ragged_dot", ref, arg_sets)
                 cell_mgpu = (Cell(note="skipped") if a.no_mgpu or want is None
                              else time_mgpu(arg_sets, want))
-                rows_max = (min(e, QUANT_ROWS_MAX_M) if a.quantize and a.quantize.split(":")[0]
-                            in ("fp8", "mxfp4") else ROW_REDUCE_MAX_M)
-                if m <= rows_max and want is not None:  # the decode default
+                # XLA's row reduction: where it is the decode default (float rows at one
+                # token; formats the kernel would dequantise whole, to min(E, 128) rows),
+                # and at one token for int8 / int4 too, for comparison.
+                by_row = (min(e, QUANT_ROWS_MAX_M) if a.quantize and not upcasts_in_registers(w)
+                          else 0 if a.quantize else ROW_REDUCE_MAX_M)
+                if m <= max(by_row, ROW_REDUCE_MAX_M) and want is not None:
                     rows_fn = jax.jit(lambda x, w, gs: grouped_matmul_rows(
                         x, w, jnp.repeat(jnp.arange(gs.shape[0], dtype=jnp.int32), gs,
                                          total_repeat_length=x.shape[0])))
-                    checked(f"{label} grouped_matmul_rows", rows_fn, arg_sets, want)
+                    role = "the default" if m <= by_row else "for comparison"
+                    checked(f"{label} grouped_matmul_rows ({role})", rows_fn, arg_sets, want)
                 if a.sweep and gpu:
                     from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu
 

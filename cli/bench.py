@@ -52,17 +52,26 @@ def _model_options(fn):
     return fn
 
 
-def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-          decode_steps, page_size, mesh=None, quantize=None):
-    from jaxinfer import LLM
-    from jaxinfer.cli.parallel import random_or_path
+def _check_model_args(model_path, preset, quantize):
+    """The model options' own errors, before anything is measured or loaded."""
     from jaxinfer.errors import JaxinferError
+    from jaxinfer.quant import parse_format
 
     if preset and model_path:
         raise JaxinferError("give --model or --preset, not both")
     if quantize and not preset:
         raise JaxinferError("--quantize goes with --preset; quantize a checkpoint with "
                             "`jaxinfer convert --quantize`")
+    if quantize:
+        parse_format(quantize)
+
+
+def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
+          decode_steps, page_size, mesh=None, quantize=None):
+    from jaxinfer import LLM
+    from jaxinfer.cli.parallel import random_or_path
+
+    _check_model_args(model_path, preset, quantize)
     model = random_or_path(model_path, preset, dtype, mesh, quantize)
     return LLM(model, dtype=None if preset else dtype,
                kv_cache_bytes=int(kv_cache_gb * 2**30), max_num_seqs=max_num_seqs,
@@ -131,6 +140,7 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_
     """Time to first token and per-token decode time."""
     from jaxinfer.bench import bench_latency
 
+    _check_model_args(model_path, preset, quantize)
     ceilings = _ceilings_in_subprocess()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, page_size, mesh, quantize)
@@ -153,6 +163,7 @@ def throughput(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs,
     """Offline throughput: N requests at once; output tokens/s."""
     from jaxinfer.bench import bench_throughput
 
+    _check_model_args(model_path, preset, quantize)
     ceilings = _ceilings_in_subprocess()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, page_size, mesh, quantize)

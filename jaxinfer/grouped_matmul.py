@@ -30,9 +30,9 @@ implementation in one place: the Mosaic GPU kernel on Hopper, the Pallas TPU ker
 TPU, the pure-JAX reference elsewhere; a kernel that cannot take the inputs (its
 `unsupported_reason`) falls back to the reference. On Hopper, rows are a gather, a
 multiply and a row reduction in XLA (`grouped_matmul_rows`) for one decode token's k
-experts of float weights (faster there than the kernel), and for decode steps of the
-quantized formats the Mosaic kernel would dequantise whole first (fp8, MXFP4, zero
-points, groups of 32); it upcasts symmetric int8 / int4 experts itself.
+experts of float weights (faster there than the kernel), and for decode steps (given
+`row_groups`) of the quantized formats the Mosaic kernel would dequantise whole first
+(fp8, MXFP4, zero points, groups of 32); it upcasts symmetric int8 / int4 experts itself.
 """
 
 from __future__ import annotations
@@ -84,13 +84,13 @@ def grouped_matmul_reference(x: jax.Array, w: ExpertWeights, group_sizes: jax.Ar
     return swiglu_halves(y, x.dtype) if swiglu else y.astype(x.dtype)
 
 
-# Up to this many unsorted rows (one decode token's k rows), the GPU default computes each
-# row against its own group's weights as a gather, a multiply and a row reduction
-# (`grouped_matmul_rows`), not with the Mosaic kernel: float weights, and quantized ones
-# the kernel does not take.
+# Up to this many unsorted rows (one decode token's k rows) of float weights, the GPU
+# default computes each row against its own group's weights as a gather, a multiply and a
+# row reduction (`grouped_matmul_rows`), not with the Mosaic kernel.
 ROW_REDUCE_MAX_M = 8
 # Quantized weights the Mosaic kernel does not upcast itself (`upcasts_in_registers`) reduce
-# by row on the GPU up to this many rows, and no more than the experts: below that, reading
+# by row on the GPU up to this many rows, and no more than the experts, sorted or not, when
+# the caller gives `row_groups` (the MoE layer does at decode steps): below that, reading
 # each row's expert as stored costs less than dequantising the whole stack.
 QUANT_ROWS_MAX_M = 128
 

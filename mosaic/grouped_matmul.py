@@ -8,12 +8,12 @@ accumulated in float32; rows at or past sum(group_sizes) come out as zeros.
 Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A):
 - Work items, built by XLA from group_sizes on the device (a prefix sum over E + 1
   groups, the last one being the zero tail): one item per (group, window of
-  `max_rows` rows, block of 64 * compute_wgs weight rows). A group's windows start at
-  its first row rounded down to a multiple of 8 (the TMA of an 8-row-tiled shared
-  buffer addresses x in whole tiles: an unaligned start reads the wrong rows on the
-  GPU, though interpret mode slices exactly). An expert with no rows has no item, so
-  it costs no weight reads; an expert whose rows fit one window has one item per N
-  block, so its weight is streamed once. The table has a static length (about
+  `max_rows` rows, block of `block_n` = 64 * `Config.owners` weight rows). A group's
+  windows start at its first row rounded down to a multiple of 8 (the TMA of an
+  8-row-tiled shared buffer addresses x in whole tiles: an unaligned start reads the
+  wrong rows on the GPU, though interpret mode slices exactly). An expert with no rows
+  has no item, so it costs no weight reads; an expert whose rows fit one window has one
+  item per N block, so its weight is streamed once. The table has a static length (about
   M / max_rows + min(E, M) + 2 windows, times the N blocks); a scalar counts its live
   prefix. Decode steps (M <= E, M <= 128) use a cheaper per-row table instead
   (`row_items`): max_rows >= M, so each group is one window. It holds each row's
@@ -35,10 +35,12 @@ Algorithm (the transposed product y_e^T = W_e x_e^T, so the weight is wgmma's A)
   not stream the expert's weight block once more. A window that would run past x
   slides back (x is padded only to a multiple of 8 rows, or to the widest B width when
   M is smaller).
-- Per K step of 64 * k_pieces columns the producer issues, per 64-column piece, one
-  TMA per consumer for its 64 x 64 weight box (128-byte swizzle) and one for the
-  token rows. A consumer waits for the slot, issues its wgmmas, keeps one step of
-  MMAs in flight and hands the previous step's slot back.
+- Per K step of `piece` * k_pieces columns (pieces of 64 columns; 128 for quantized
+  weights, `piece_cols`) the producer issues, per piece, one TMA per 64-row part of the
+  N block for its 64 x piece weight box (swizzled; and one for its group scales), and one
+  for the token rows. A consumer waits for the slot, issues its wgmmas, keeps one step of
+  float MMAs in flight (quantized: none, see below) and hands the previous step's slot
+  back.
 - Epilogue: the float32 accumulator [64 features, width tokens] is cast and stored
   transposed into shared memory ([tokens, 64], row-major), then TMA-stored to
   y[row_start:row_start + rows, n0:n0 + 64]. TMA boxes have static shapes, so the
@@ -115,8 +117,10 @@ MAX_ROW_ITEMS_M = 128
 @dataclasses.dataclass(frozen=True)
 class Config:
     max_rows: int = 16  # widest token tile (wgmma N): a power of two, 8..256
-    compute_wgs: int = 2  # consumer warpgroups, each owning 64 weight rows of the N block
-    k_pieces: int = 1  # 64-column K pieces per pipeline step
+    # Consumer warpgroups, each owning 64 weight rows of the N block (or, with split_k,
+    # both the same 64 rows and half of each step's pieces)
+    compute_wgs: int = 2
+    k_pieces: int = 1  # K pieces (of 64 columns, or 128 for quantized weights) a step
     num_stages: int = 4  # ring slots
     num_ctas: int | None = None  # persistent CTAs (None: the SM count; a few in interpret mode)
     # Rows a group's last window may take beyond max_rows, instead of a window of its own
@@ -200,7 +204,9 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     fits the gate and up blocks an item streams when its epilogue can fuse them.
     Quantized weights (weight_bits 8 or 4; pieces of `piece` K columns, `piece_cols`) keep
     the same tiles; their smaller boxes leave room for more ring slots. Where one consumer
-    would own each N block, two split each step's K pieces (`split_k`).
+    would own each N block and a step has two pieces (max_rows <= 64), two consumers
+    split each step's pieces (`split_k`). If two ring slots still do not fit (interpret
+    mode's upcast buffers at 256-row tiles), max_rows halves.
     """
     mean_rows = m / e
     if m <= min(MAX_ROW_ITEMS_M, e):  # every group fits one window: the per-row table
@@ -219,9 +225,15 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     cfg = Config(max_rows=max_rows, compute_wgs=2 if split else wgs, k_pieces=pieces,
                  num_stages=8, last_extra=extra, split_k=split)
     halves = 2 if swiglu and row_items(m, e, cfg) else 1
-    while (smem_bytes(cfg, 2, halves, weight_bits, grouped, interpret, piece) > SMEM_BYTES
-           and cfg.num_stages > 2):
+
+    def fits(cfg):
+        return smem_bytes(cfg, 2, halves, weight_bits, grouped, interpret, piece) <= SMEM_BYTES
+
+    while not fits(cfg) and cfg.num_stages > 2:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    while not fits(cfg) and cfg.max_rows > 2 * MIN_WIDTH and not row_items(m, e, cfg):
+        cfg = dataclasses.replace(cfg, max_rows=cfg.max_rows // 2,
+                                  last_extra=cfg.last_extra // 2)
     return cfg
 
 
@@ -423,7 +435,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                         plgpu.barrier_wait(free.at[slot])
                     for p in range(pieces):
                         k0 = pl.multiple_of((s * pieces + p) * piece, piece)
-                        # one 64 x 64 box per part of the N block (and half: gate, up)
+                        # one 64 x piece box per part of the N block (and half: gate, up)
                         for half, c in itertools.product(range(halves), range(owners)):
                             row0 = pl.multiple_of(
                                 half * n_out + (n_block * owners + c) * ROWS, ROWS)

@@ -209,6 +209,37 @@ def test_few_unsorted_quantized_rows_the_kernel_takes_run_it(monkeypatch):
                               row_groups=spans, rows_sorted=False)
 
 
+@pytest.mark.parametrize("m,by_row", [(16, True), (40, False)])
+def test_decode_rows_of_formats_the_kernel_dequantises_reduce_by_row(m, by_row, monkeypatch):
+    """MXFP4 experts (which the Mosaic kernel would dequantise whole first) on the GPU
+    default: up to min(E, QUANT_ROWS_MAX_M) rows given with their row groups (a decode
+    step's; sorted here) reduce by row, matching the reference; more rows run the kernel
+    (patched here to fail)."""
+    import jaxinfer.grouped_matmul as gm
+    from jaxinfer.mosaic import grouped_matmul as mosaic_module
+
+    def kernel_ran(*args, **kwargs):
+        raise AssertionError("the Mosaic kernel ran")
+    monkeypatch.setattr(gm, "default_implementation", lambda: "mosaic_gpu")
+    monkeypatch.setattr(mosaic_module, "grouped_matmul_mgpu", kernel_ran)
+    case = Case(m, 32, 128, 256, fmt="mxfp4")
+    assert (m <= min(case.e, gm.QUANT_ROWS_MAX_M)) == by_row
+    b = build(case)
+    w = quantize(b["w"], case.fmt)
+    x = jnp.asarray(b["x"], jnp.bfloat16)
+    sizes = jnp.asarray(b["sizes"])
+    spans = mosaic_module.build_row_items(sizes, m)
+    if not by_row:
+        with pytest.raises(AssertionError, match="the Mosaic kernel ran"):
+            gm.grouped_matmul(x, w, sizes, row_groups=spans)
+        return
+    y = np.asarray(jax.jit(gm.grouped_matmul)(x, w, sizes, row_groups=spans)
+                   .astype(jnp.float32), np.float64)
+    want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
+    assert np.isfinite(y).all()
+    assert (np.abs(y - want) <= allowance).all()
+
+
 def test_group_sizes_of_every_kind_are_drawn():
     """The case generator itself: empty experts, one expert, a short total."""
     rng = np.random.default_rng()

@@ -85,8 +85,13 @@ ALIGNED_CASES = [
 # item tables, with two consumers, two pieces a step, the fused swiglu epilogue (gate and
 # up boxes with their own scales) and the aligned store.
 QUANT_CASES = [
-    ("int8_channel_windows", 72, 3, 128, 128, [45, 0, 20],
+    # (two N blocks of two consumers each: every per-channel scale row's index)
+    ("int8_channel_windows", 72, 3, 256, 128, [45, 0, 20],
      Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2), "int8", {}),
+    ("int8_channel_swiglu_two_blocks", 20, 24, 512, 128,
+     [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
+     Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=3), "int8",
+     dict(swiglu=True)),
     ("int4_g64_pieces", 12, 4, 128, 256, [0, 5, 7, 0],
      Config(max_rows=16, compute_wgs=1, k_pieces=2, num_stages=2, num_ctas=3), "int4:g64", {}),
     ("int8_g128_swiglu_rows", 20, 24, 256, 256, [3, 0, 0, 5, 1, 0, 4, 0, 2, 0, 0, 2] + [0] * 12,
@@ -109,7 +114,7 @@ QUANT_CASES = [
      "int4:g64", dict(swiglu=True)),
     # Wide token tiles (the prefill widths, up to 128 + 32 and 256), where a register A
     # operand left in flight gave wrong sums on the GPU.
-    ("int8_wide_windows", 320, 2, 128, 128, [200, 100],
+    ("int8_wide_windows", 320, 2, 128, 128, [150, 100],
      Config(max_rows=128, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2, last_extra=32),
      "int8", {}),
     ("int4_g128_aligned_256", 512, 2, 128, 256, [264, 248],
@@ -282,4 +287,11 @@ def test_choose_config_fits_shared_memory():
         assert n % (halves * cfg.block_n) == 0 and k % (128 * cfg.k_pieces) == 0
         assert smem_bytes(cfg, 2, halves, bits, True, False, 128) <= SMEM_BYTES
         assert cfg.num_stages >= 2
-        assert cfg.split_k == (cfg.compute_wgs == 2 and cfg.block_n == 64)
+        assert cfg.split_k == (m == 8)  # decode sizes: one consumer's worth of N blocks
+    # Interpret mode's upcast buffers at 256-row tiles: max_rows halves until they fit.
+    for m, e, n, k in [(262144, 128, 1536, 2048), (8192, 8, 4096, 14336)]:
+        for bits in (8, 4):
+            cfg = choose_config(m, e, n, k, weight_bits=bits, grouped=True, interpret=True,
+                                piece=128)
+            assert smem_bytes(cfg, 2, 1, bits, True, True, 128) <= SMEM_BYTES
+            assert cfg.max_rows < 256 and cfg.last_extra < cfg.max_rows
