@@ -128,7 +128,8 @@ class Config:
     last_extra: int = 0
     # The two consumers split each step's K pieces instead of the N block: both own the
     # same 64 weight rows, and the second hands its partial sums to the first through
-    # shared memory (quantized decode: a consumer's upcasts, not memory, bound the time).
+    # shared memory (quantized decode: two consumers share the upcasts; 1-9% faster,
+    # bench/NOTES.md grouped matmul v10 (c)).
     split_k: bool = False
 
     @property
