@@ -324,8 +324,7 @@ def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, pl
 
 @pytest.mark.parametrize("implementation,platform", [
     ("mosaic_gpu", "cpu"), pytest.param(None, "gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("fmt", ["int8", "int4:g64"])
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens,fmt", [(1, "int8"), (5, "int4:g64")])
 def test_quantized_experts_through_the_kernel(monkeypatch, tokens, fmt, implementation,
                                               platform):
     """int8 / int4 expert stacks through the Mosaic grouped matmul, which upcasts them in
