@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
-from jaxinfer.bench import format_rows, measure_ceilings, median_seconds, roofline
+from jaxinfer.benchmarks.harness import format_rows, measure_ceilings, median_seconds, roofline
 from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu
+from jaxinfer.ops.attention import AttentionMetadata, ragged_paged_attention
 from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import attend_pages_gpu
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16

@@ -17,7 +17,7 @@ import numpy as np
 
 CHILD = """
 import sys, time, resource
-from jaxinfer.checkpoint import convert
+from jaxinfer.loading.checkpoint import convert
 t = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], dtype="bfloat16", progress=False)
 print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

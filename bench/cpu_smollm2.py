@@ -17,13 +17,13 @@ from pathlib import Path
 
 CHILD_CONVERT = """
 import sys, time, resource
-from jaxinfer.checkpoint import convert
+from jaxinfer.loading.checkpoint import convert
 t = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3], progress=False)
 print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 CHILD_IMPORT = """
-import resource, jaxinfer.checkpoint, gguf.quants, orbax.checkpoint.experimental.v1
+import resource, jaxinfer.loading.checkpoint, gguf.quants, orbax.checkpoint.experimental.v1
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args()
-    from jaxinfer.default_model import default_gguf
+    from jaxinfer.loading.default_model import default_gguf
 
     gguf_path = default_gguf()
     with tempfile.TemporaryDirectory() as tmp:
@@ -43,8 +43,8 @@ def main():
         wall, rss_kb = res.stdout.split()
         base_kb = subprocess.run([sys.executable, "-c", CHILD_IMPORT], capture_output=True,
                                  text=True, check=True).stdout.split()[0]
-        from jaxinfer.checkpoint import expected_shapes
         from jaxinfer.config import ModelConfig
+        from jaxinfer.loading.checkpoint import expected_shapes
 
         config = ModelConfig.from_json_file(out / "model_config.json")
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]

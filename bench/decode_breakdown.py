@@ -26,9 +26,9 @@ def main():
     from jax.experimental.mosaic.gpu import profiler
 
     from jaxinfer import LLM
-    from jaxinfer.bench import weight_bytes
-    from jaxinfer.presets import preset_config, random_model
-    from jaxinfer.runner import SeqChunk
+    from jaxinfer.benchmarks.harness import weight_bytes
+    from jaxinfer.engine.runner import SeqChunk
+    from jaxinfer.loading.presets import preset_config, random_model
 
     config = preset_config(args.preset)
     page_bytes = 16 * config.kv_bytes_per_token(2)  # bf16

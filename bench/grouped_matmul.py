@@ -6,12 +6,12 @@
                                  [--quantize FMT] [--out FILE.md] [--cpu-smoke]
 
 y = x @ W[e]^T per row's expert e, x [tokens * top_k, hidden] bf16 sorted by expert,
-W [E, N, K] bf16 (`jaxinfer.grouped_matmul`). Expert shapes:
+W [E, N, K] bf16 (`jaxinfer.ops.grouped_matmul`). Expert shapes:
   qwen3-30b-a3b  E=128, top-8, hidden 2048, expert intermediate 768:
                  gate_up [128, 1536, 2048] (gate and up fused), down [128, 2048, 768]
   mixtral-8x7b   E=8, top-2, hidden 4096, intermediate 14336:
                  gate_up [8, 28672, 4096], down [8, 4096, 14336]
---quantize int8 (or int4, int8:g128, ...): the expert weights quantized (`jaxinfer.quant`);
+--quantize int8 (or int4, int8:g128, ...): the expert weights quantized (`jaxinfer.ops.quant`);
 the floor then counts their stored bytes (values and scales), the reference dequantises
 the stack and runs ragged_dot, and ragged_dot_mgpu (bf16 only) gets the dequantised bf16
 stack: the bf16 kernel one would run instead. Formats the kernel does not upcast itself
@@ -44,7 +44,7 @@ Columns:
   % floor      floor / ours; vs XLA: ragged_dot time / ours
 --sweep also times a few other `Config`s of our kernel per cell (printed to the log).
 
-Times are CUPTI kernel-time medians (`jaxinfer.bench.median_seconds`; host wall time on
+Times are CUPTI kernel-time medians (`jaxinfer.benchmarks.harness.median_seconds`; host wall time on
 the CPU). A cell that fails prints "n/a (reason)" and the table goes on.
 """
 
@@ -60,17 +60,17 @@ import jax.numpy as jnp
 import numpy as np
 from quantized_matmul import Cell, Rotating, disagreement, short  # bench/ helpers
 
-from jaxinfer.bench import measure_ceilings, median_seconds
-from jaxinfer.grouped_matmul import (
+from jaxinfer.benchmarks.harness import measure_ceilings, median_seconds
+from jaxinfer.models.moe import aligns_groups
+from jaxinfer.mosaic.grouped_matmul import upcasts_in_registers
+from jaxinfer.ops.grouped_matmul import (
     GROUP_ALIGN,
     QUANT_ROWS_MAX_M,
     ROW_REDUCE_MAX_M,
     grouped_matmul,
     grouped_matmul_rows,
 )
-from jaxinfer.models.moe import aligns_groups
-from jaxinfer.mosaic.grouped_matmul import upcasts_in_registers
-from jaxinfer.quant import dequantize, quantize
+from jaxinfer.ops.quant import dequantize, quantize
 
 MODELS = {  # name: (experts, top_k, hidden, expert intermediate)
     "qwen3": ("qwen3-30b-a3b", 128, 8, 2048, 768),

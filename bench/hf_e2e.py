@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-SHAPES = {  # the same shapes as jaxinfer.presets
+SHAPES = {  # the same shapes as jaxinfer.loading.presets
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5),

@@ -26,7 +26,7 @@ def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: in
     every sequence's whole length, and at least `min_kv_bytes`. `quantize`: the preset's
     projections quantized to this format."""
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.loading.presets import preset_config, random_model
     from jaxinfer.sharding import MeshSpec
 
     config = preset_config(preset)
@@ -73,7 +73,7 @@ def main():
     args = ap.parse_args()
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI, as mosaic's profiler
 
-    from jaxinfer.bench import measure_ceilings, weight_bytes
+    from jaxinfer.benchmarks.harness import measure_ceilings, weight_bytes
 
     llm, mesh = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
                              args.mesh, page_size=args.page_size, quantize=args.quantize)

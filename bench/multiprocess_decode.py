@@ -1,5 +1,5 @@
 """Batch-1 decode of a random-weight preset, in one process or in a job of one process per
-GPU (`jaxinfer.multihost`): does a tensor-parallel step go faster when each GPU has its own
+GPU (`jaxinfer.engine.multihost`): does a tensor-parallel step go faster when each GPU has its own
 host process launching its kernels?
 
 Per-token time = (wall of a long generation - wall of a short one) / the extra tokens, both
@@ -30,14 +30,14 @@ def main():
     ap.add_argument("--num-processes", type=int, default=None)
     ap.add_argument("--process-id", type=int, default=None)
     args = ap.parse_args()
-    from jaxinfer import multihost
+    from jaxinfer.engine import multihost
 
     multihost.initialize(args.coordinator, args.num_processes, args.process_id)
     import jax
     import jax.numpy as jnp
 
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.loading.presets import preset_config, random_model
     from jaxinfer.sharding import MeshSpec
 
     config = preset_config(args.preset)

@@ -1,5 +1,5 @@
 """One-row (batch-1 decode) products on the GPU: XLA's dot against a multiply and a row
-reduction, the form `jaxinfer.linear` uses for one row with K >= ONE_ROW_REDUCE_MIN_K.
+reduction, the form `jaxinfer.ops.linear` uses for one row with K >= ONE_ROW_REDUCE_MIN_K.
 
   python bench/one_row_products.py
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-from jaxinfer.bench import measure_ceilings
+from jaxinfer.benchmarks.harness import measure_ceilings
 
 SHAPES = {  # (N, K) of W
     "qwen3 qkv": (5120, 2048), "qwen3 o": (2048, 4096), "qwen3 router": (128, 2048),

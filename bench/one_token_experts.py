@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-from jaxinfer.bench import measure_ceilings
-from jaxinfer.grouped_matmul import RowGroups, grouped_matmul, grouped_matmul_rows
+from jaxinfer.benchmarks.harness import measure_ceilings
+from jaxinfer.ops.grouped_matmul import RowGroups, grouped_matmul, grouped_matmul_rows
 
 SHAPES = {  # E, k, H (model width), I (expert width)
     "qwen3": (128, 8, 2048, 768),

@@ -25,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.plan import GiB, plan_memory
-from jaxinfer.presets import preset_config, random_model
+from jaxinfer.loading.plan import GiB, plan_memory
+from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.sharding import MeshSpec
 
 

@@ -8,11 +8,12 @@ y = x @ W^T with x [M, K] bf16 and W [N, K] (out_features, in_features). One mar
 table per weight shape, one row per (M, format):
 
   floor       max(weight bytes / copy bandwidth, 2MNK / bf16 matmul rate), both ceilings
-              measured in the same run (`jaxinfer.bench.measure_ceilings`); weight bytes are
+              measured in the same run (`jaxinfer.benchmarks.harness.measure_ceilings`);
+              weight bytes are
               `QuantizedWeight.nbytes` (values + float32 scales), 2NK for bf16. "bw" or
               "flop" says which bound it is. W8A8 (fp8) may beat the flop floor (fp8 tensor
               cores run at twice the bf16 rate).
-  XLA         bf16 row: the XLA bf16 dot (`jaxinfer.linear.linear`); other rows: XLA with
+  XLA         bf16 row: the XLA bf16 dot (`jaxinfer.ops.linear.linear`); other rows: XLA with
               fused dequantisation of that format (`quantized_matmul(implementation=
               "reference")`; for fp8 W8A8 it includes the per-token activation quantization).
   stock       int8 rows: jax's Hopper `hopper_mixed_type_matmul_mgpu.mixed_matmul_kernel`
@@ -30,7 +31,7 @@ table per weight shape, one row per (M, format):
   vs bf16 / vs XLA / vs stock: speed-ups of ours (their time / ours) over the XLA bf16
               dot, XLA with the same format, and the stock kernel.
 
-Times are CUPTI kernel-time medians (`jaxinfer.bench.median_seconds`; host wall time on
+Times are CUPTI kernel-time medians (`jaxinfer.benchmarks.harness.median_seconds`; host wall time on
 the CPU). Each timed function reads its weight from one of several copies in turn, enough
 copies to exceed the L2 cache several times over, so that back-to-back calls read the
 weight from HBM as a real decode step would (a decode step streams every layer's weights).
@@ -50,10 +51,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.bench import measure_ceilings, median_seconds
-from jaxinfer.linear import linear
-from jaxinfer.quant import parse_format, quantize
-from jaxinfer.quantized_matmul import quantized_matmul
+from jaxinfer.benchmarks.harness import measure_ceilings, median_seconds
+from jaxinfer.ops.linear import linear
+from jaxinfer.ops.quant import parse_format, quantize
+from jaxinfer.ops.quantized_matmul import quantized_matmul
 
 SHAPES = {  # (name, N, K)
     "square": [("square", 8192, 8192)],

@@ -28,7 +28,7 @@ class InstantRunner:
         return [min(num_steps, c.remaining) for c in chunks]
 
     def collect(self, counts):
-        from jaxinfer.runner import StepOutput
+        from jaxinfer.engine.runner import StepOutput
 
         tokens = np.full((len(counts), max(counts)), -1, np.int32)
         for s, n in enumerate(counts):
@@ -48,10 +48,10 @@ def main():
     ap.add_argument("--matmul-tflops", type=float, required=True)
     ap.add_argument("--seconds", type=float, default=None, help="the run's measured time")
     args = ap.parse_args()
-    from jaxinfer.bench import Ceilings, bench_throughput
-    from jaxinfer.engine import Engine
+    from jaxinfer.benchmarks.harness import Ceilings, bench_throughput
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.loading.presets import preset_config
     from jaxinfer.models import Decoder
-    from jaxinfer.presets import preset_config
 
     c = preset_config(args.preset)
     # Shapes only: bench_throughput reads the parameters' sizes and dtypes, not their values.

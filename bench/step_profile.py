@@ -30,7 +30,7 @@ def main():
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.loading.presets import preset_config, random_model
 
     config = preset_config(args.preset)
     llm = LLM(random_model(config, jnp.bfloat16), kv_cache_bytes=int(args.kv_cache_gb * 2**30),

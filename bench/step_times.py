@@ -27,11 +27,11 @@ def main():
                     help="measure the device ceilings in this process first (CUPTI-timed)")
     args = ap.parse_args()
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.loading.presets import preset_config, random_model
     from jaxinfer.sharding import MeshSpec
 
     if args.ceilings_first:
-        from jaxinfer.bench import measure_ceilings
+        from jaxinfer.benchmarks.harness import measure_ceilings
 
         measure_ceilings()
     config = preset_config(args.preset)

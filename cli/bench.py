@@ -1,4 +1,5 @@
-"""`jaxinfer bench kernels | latency | throughput`: thin commands over `jaxinfer.bench`.
+"""`jaxinfer bench kernels | latency | throughput | serve`: thin commands over
+`jaxinfer.benchmarks`.
 
 Each prints a roofline table (ceilings measured in the same run) and can write the
 result as JSON (`--json`) and append a row to a results file (`--record bench/RESULTS.md`).
@@ -55,7 +56,7 @@ def _model_options(fn):
 def _check_model_args(model_path, preset, quantize):
     """The model options' own errors, before anything is measured or loaded."""
     from jaxinfer.errors import JaxinferError
-    from jaxinfer.quant import parse_format
+    from jaxinfer.ops.quant import parse_format
 
     if preset and model_path:
         raise JaxinferError("give --model or --preset, not both")
@@ -83,7 +84,7 @@ def _report(kind, ceilings, rows, headline, result, json_path, record):
     """Prints the ceilings, the headline and the roofline rows; writes JSON / a results row."""
     import jax
 
-    from jaxinfer.bench import format_rows
+    from jaxinfer.benchmarks.harness import format_rows
 
     device = jax.devices()[0].device_kind
     command = "jaxinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -117,7 +118,7 @@ def _profiled(profile_dir):
 @click.option("--plot", default=None, help="Draw the roofline to this PNG (needs matplotlib).")
 def kernels(backend, small, json_path, record, profile, plot):
     """Attention and linear kernels against the device ceilings measured in the same run."""
-    from jaxinfer.bench import bench_kernels, measure_ceilings
+    from jaxinfer.benchmarks.harness import bench_kernels, measure_ceilings
 
     with _profiled(profile):
         ceilings = measure_ceilings()
@@ -138,7 +139,7 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_
             decode_steps, page_size, json_path, record, profile, mesh, batch, input_len,
             output_len, repeats):
     """Time to first token and per-token decode time."""
-    from jaxinfer.bench import bench_latency
+    from jaxinfer.benchmarks.harness import bench_latency
 
     _check_model_args(model_path, preset, quantize)
     ceilings = _ceilings_in_subprocess()
@@ -161,7 +162,7 @@ def throughput(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs,
                max_num_batched_tokens, decode_steps, page_size, json_path, record, profile,
                mesh, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
-    from jaxinfer.bench import bench_throughput
+    from jaxinfer.benchmarks.harness import bench_throughput
 
     _check_model_args(model_path, preset, quantize)
     ceilings = _ceilings_in_subprocess()
@@ -239,8 +240,13 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
           concurrency, input_len, output_len, range_ratio, warmup_passes, seed, json_path,
           record):
     """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles."""
-    from jaxinfer.bench import Ceilings
-    from jaxinfer.bench_serve import decode_roofline, format_summary, random_prompts, run_load
+    from jaxinfer.benchmarks.harness import Ceilings
+    from jaxinfer.benchmarks.serve_load import (
+        decode_roofline,
+        format_summary,
+        random_prompts,
+        run_load,
+    )
     from jaxinfer.errors import JaxinferError
 
     server, ceilings = None, None
@@ -276,7 +282,7 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
             server.wait(timeout=60)
     rows = []
     if ceilings is not None:
-        from jaxinfer.bench import roofline
+        from jaxinfer.benchmarks.harness import roofline
 
         summary.update(decode_roofline(summary, info["weight_bytes"],
                                        info["kv_bytes_per_token"], ceilings.copy_bytes_per_s))
@@ -298,9 +304,9 @@ def _ceilings_in_subprocess():
     token after it, 5.29 without, in one lease; `bench/step_times.py`, bench/NOTES.md)."""
     import subprocess
 
-    from jaxinfer.bench import Ceilings
+    from jaxinfer.benchmarks.harness import Ceilings
 
-    code = ("import json; from jaxinfer.bench import measure_ceilings; "
+    code = ("import json; from jaxinfer.benchmarks.harness import measure_ceilings; "
             "print(json.dumps(vars(measure_ceilings())))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

@@ -100,7 +100,7 @@ def generate(model_path, prompt, max_new_tokens, temperature, top_p, top_k, seed
                    "GGUF keeps its Q4_0 / Q4_1 / Q8_0 projections as they are.")
 def convert(src, out, dtype, quantize):
     """Convert an HF model directory or a .gguf file to a jaxinfer (Orbax) checkpoint."""
-    from jaxinfer.checkpoint import convert as convert_checkpoint
+    from jaxinfer.loading.checkpoint import convert as convert_checkpoint
 
     path = convert_checkpoint(src, out, dtype=dtype, quantize=quantize)
     click.echo(f"wrote {path}")

@@ -28,7 +28,7 @@ def parallel_options(fn):
 
 def join_job(coordinator, num_processes, process_id) -> bool:
     """Joins the multi-process job if one is given; True on process 0 (or alone)."""
-    from jaxinfer import multihost
+    from jaxinfer.engine import multihost
 
     multihost.initialize(coordinator, num_processes, process_id)
     return multihost.is_leader()
@@ -41,7 +41,7 @@ def random_or_path(model_path, preset, dtype, mesh, quantize=None):
         return model_path
     import jax.numpy as jnp
 
-    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.loading.presets import preset_config, random_model
     from jaxinfer.sharding import MeshSpec
 
     return random_model(preset_config(preset), jnp.dtype(dtype or "bfloat16"),

@@ -1,4 +1,5 @@
-"""`jaxinfer plan`: per-device memory of a model on a mesh (`jaxinfer.plan`), nothing loaded."""
+"""`jaxinfer plan`: per-device memory of a model on a mesh (`jaxinfer.loading.plan`); nothing
+is loaded."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import click
                    "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.")
 @click.option("--reserve-gb", default=None, type=click.FloatRange(min=0),
               help="Per-device room for a step's temporaries (default: an estimate from "
-                   "--max-num-seqs and --max-num-batched-tokens, see jaxinfer.plan).")
+                   "--max-num-seqs and --max-num-batched-tokens, see jaxinfer.loading.plan).")
 @click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-num-batched-tokens", default=2048, show_default=True,
               type=click.IntRange(min=1))
@@ -39,7 +40,7 @@ import click
 def plan(model, mesh, hbm_gb, context, page_size, dtype, quantize, memory_fraction, reserve_gb,
          max_num_seqs, max_num_batched_tokens, json_path):
     """Weight bytes per device, KV pages that fit and concurrent sequences at a context."""
-    from jaxinfer.plan import GiB, model_tensors, plan_memory
+    from jaxinfer.loading.plan import GiB, model_tensors, plan_memory
     from jaxinfer.sharding import MeshSpec
 
     spec = MeshSpec.parse(mesh)  # a bad spec fails before the model is read

@@ -1,4 +1,4 @@
-"""`jaxinfer serve`: the OpenAI-compatible HTTP server (jaxinfer/server.py) on one model."""
+"""`jaxinfer serve`: the OpenAI-compatible HTTP server (jaxinfer/serving/server.py) on one model."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
     /v1/models, /health, /metrics)."""
     start = time.perf_counter() - (_seconds_since_process_start() or 0.0)
     try:
-        from jaxinfer.server import run_server
+        from jaxinfer.serving.server import run_server
     except ImportError as e:
         raise JaxinferError(f"jaxinfer serve needs the 'serve' extra (pip install "
                             f"'jaxinfer[serve]'): {e}") from None

@@ -5,9 +5,9 @@
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
 """
 
+from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM, RequestOutput
-from jaxinfer.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "JaxinferError", "RequestOutput", "SamplingParams"]

@@ -90,7 +90,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # How `jaxinfer convert` quantized the decoder-block projections: a
-    # `jaxinfer.quant.parse_format` spelling ("int8", "int4:g128", "fp8", ...), "gguf"
+    # `jaxinfer.ops.quant.parse_format` spelling ("int8", "int4:g128", "fp8", ...), "gguf"
     # (a GGUF's own Q4_0 / Q4_1 / Q8_0 tensors kept as they are), or None (all float).
     quantization: str | None = None
 

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.checkpoint import is_converted, load_model, open_source, shard_model
-from jaxinfer.engine import Engine, ReplicatedEngine, Request
+from jaxinfer.engine.engine import Engine, ReplicatedEngine, Request
+from jaxinfer.engine.runner import ModelRunner, SeqChunk, bucket
+from jaxinfer.engine.sampling import SamplingParams, TokenLogprob
 from jaxinfer.errors import JaxinferError
+from jaxinfer.loading.checkpoint import is_converted, load_model, open_source, shard_model
+from jaxinfer.loading.tokenizer import Tokenizer
 from jaxinfer.models import Decoder
-from jaxinfer.runner import ModelRunner, SeqChunk, bucket
-from jaxinfer.sampling import SamplingParams, TokenLogprob
 from jaxinfer.sharding import MeshSpec
-from jaxinfer.tokenizer import Tokenizer
 
 MAX_PAGE_SIZE = 64  # the Mosaic attention kernel's smallest KV block (head_dim > 128)
 
@@ -39,7 +39,7 @@ def enable_compilation_cache():
     setting = os.environ.get("JAXINFER_COMPILATION_CACHE", "")
     if setting == "0" or jax.config.jax_compilation_cache_dir:
         return
-    from jaxinfer.default_model import cache_dir
+    from jaxinfer.loading.default_model import cache_dir
 
     jax.config.update("jax_compilation_cache_dir", setting or str(cache_dir() / "xla"))
 
@@ -66,12 +66,12 @@ class LLM:
         enable_compilation_cache()
         spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)
         meshes = spec.meshes()
-        if isinstance(model, Decoder):  # e.g. a random-weight preset (jaxinfer.presets)
+        if isinstance(model, Decoder):  # e.g. a random-weight preset (jaxinfer.loading.presets)
             self.path, self.tokenizer = None, None
             self.model = shard_model(model, meshes[0])
         else:
             if model is None:
-                from jaxinfer.default_model import default_model_path
+                from jaxinfer.loading.default_model import default_model_path
                 model = default_model_path()
             self.path = Path(model)
             if is_converted(self.path):
@@ -140,7 +140,7 @@ class LLM:
 
     def follow(self) -> list:
         """Processes other than 0 of a multi-host job: run the steps process 0 broadcasts
-        until it exits (see `jaxinfer.multihost`); returns each step's sampled tokens."""
+        until it exits (see `jaxinfer.engine.multihost`); returns each step's sampled tokens."""
         return self.runner.follow()
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -4,7 +4,7 @@ Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss differ o
 their `ModelConfig`: a layer's feed-forward block is the dense `MLP` or, in MoE models,
 `MoE` (`jaxinfer.models.moe`).
 
-Input is one ragged batch of T new tokens (see `jaxinfer.attention`); the KV
+Input is one ragged batch of T new tokens (see `jaxinfer.ops.attention`); the KV
 cache is a list with one (k_pages, v_pages) pair per layer, returned updated.
 """
 
@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.attention import AttentionMetadata, rope_tables
 from jaxinfer.config import ModelConfig
-from jaxinfer.linear import linear
 from jaxinfer.models.layers import MLP, Attention, RMSNorm, rope_inv_freq
 from jaxinfer.models.moe import MoE
+from jaxinfer.ops.attention import AttentionMetadata, rope_tables
+from jaxinfer.ops.linear import linear
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 

@@ -19,15 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.attention import (
+from jaxinfer.config import ModelConfig
+from jaxinfer.ops.attention import (
     KV_PAGES_AXES,
     AttentionMetadata,
     QKPrologue,
     ragged_paged_attention,
 )
-from jaxinfer.config import ModelConfig
-from jaxinfer.linear import linear
-from jaxinfer.quant import QuantizedWeight
+from jaxinfer.ops.linear import linear
+from jaxinfer.ops.quant import QuantizedWeight
 from jaxinfer.sharding import (
     P,
     current_mesh,

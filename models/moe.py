@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.grouped_matmul import GROUP_ALIGN, RowGroups, grouped_matmul, swiglu_halves
 from jaxinfer.models.layers import MLP, Linear, RMSNorm
+from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, RowGroups, grouped_matmul, swiglu_halves
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 

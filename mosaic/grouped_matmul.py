@@ -1,6 +1,6 @@
 """Grouped matmul over MoE experts for Hopper, as a Mosaic GPU kernel (`plgpu.kernel`).
 
-Same contract as `jaxinfer.grouped_matmul.grouped_matmul_reference` (the spec):
+Same contract as `jaxinfer.ops.grouped_matmul.grouped_matmul_reference` (the spec):
 x [M, K] bf16/f16 rows sorted by expert, W [E, N, K] (K-major, same dtype as x),
 group_sizes [E] int32 (dynamic, summing to at most M) -> y [M, N] in x.dtype,
 accumulated in float32; rows at or past sum(group_sizes) come out as zeros.
@@ -80,7 +80,7 @@ operand). Constraints (else `unsupported_reason`): float weights in x's dtype or
 quantized ones; x bf16 or f16; N and K multiples of 64. Quantized experts the kernel does
 not upcast itself (fp8, MXFP4, zero points, groups of 32: `upcasts_in_registers`) are
 dequantised into a float stack by XLA first, which suits prefill sizes; at decode sizes
-the dispatcher reduces their rows by row instead (`jaxinfer.grouped_matmul`).
+the dispatcher reduces their rows by row instead (`jaxinfer.ops.grouped_matmul`).
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxinfer.backend import mosaic_interpret_params
-from jaxinfer.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order, swiglu_halves
-from jaxinfer.quant import QuantizedWeight, dequantize
+from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order, swiglu_halves
+from jaxinfer.ops.platform import mosaic_interpret_params
+from jaxinfer.ops.quant import QuantizedWeight, dequantize
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
 PIECE = 64  # K columns per TMA box: 128 bytes of bf16, one 128-byte swizzle row
@@ -635,7 +635,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         raise ValueError(f"mosaic grouped matmul: {reason}")
     if isinstance(w, QuantizedWeight) and not upcasts_in_registers(w):
         # Whole-stack dequantisation: a cost for prefill sizes; the dispatcher reduces
-        # decode rows of these formats by row instead (`jaxinfer.grouped_matmul`).
+        # decode rows of these formats by row instead (`jaxinfer.ops.grouped_matmul`).
         w = dequantize(w, x.dtype)
     m, k = x.shape
     e, n, _ = w.shape

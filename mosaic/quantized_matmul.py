@@ -1,6 +1,6 @@
 """Weight-quantized matmul for Hopper, as a Mosaic GPU kernel (`plgpu.kernel`).
 
-Same contract as `jaxinfer.quantized_matmul.quantized_matmul_reference` (the
+Same contract as `jaxinfer.ops.quantized_matmul.quantized_matmul_reference` (the
 spec): x [M, K] bf16/f16, W a `QuantizedWeight` (values [N, K] int8 or int4,
 scales [K // g, N] f32, optional offsets) -> y [M, N] in x.dtype.
 
@@ -25,7 +25,7 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
   (split, consumer) writes float32 partial sums [64, tile_m]; XLA adds them up,
   transposes back to [M, N] and, for asymmetric formats, adds the offset term
   (x summed over each group) @ offsets, a [M, K/g] x [K/g, N] product.
-- Above MAX_KERNEL_M tokens `jaxinfer.quantized_matmul` runs XLA instead (see
+- Above MAX_KERNEL_M tokens `jaxinfer.ops.quantized_matmul` runs XLA instead (see
   the constant's comment).
 
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode
@@ -48,8 +48,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxinfer.backend import mosaic_interpret_params
-from jaxinfer.quant import QuantizedWeight
+from jaxinfer.ops.platform import mosaic_interpret_params
+from jaxinfer.ops.quant import QuantizedWeight
 
 ROWS = 64  # weight rows per consumer warpgroup (the wgmma M tile)
 NUM_SMS = 132  # H100 SXM; only used to pick the number of K splits

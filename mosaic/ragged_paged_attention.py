@@ -1,6 +1,6 @@
 """Ragged paged attention for Hopper, as a Mosaic GPU kernel (`plgpu.kernel`).
 
-Same contract as `jaxinfer.attention.ragged_paged_attention_reference` (the
+Same contract as `jaxinfer.ops.attention.ragged_paged_attention_reference` (the
 spec): q [T, Hq, D], this step's k/v [T, Hkv, D], pages [num_pages, page_size,
 Hkv, D], metadata (cu_q_lens [S+1], kv_lens [S], page_indices [S, P],
 num_seqs [1]); returns (out [T, Hq, D] in q.dtype, k_pages, v_pages).
@@ -59,8 +59,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxinfer.attention import FP8_KV_DTYPE, AttentionMetadata, write_kv_pages
-from jaxinfer.backend import mosaic_interpret_params
+from jaxinfer.ops.attention import FP8_KV_DTYPE, AttentionMetadata, write_kv_pages
+from jaxinfer.ops.platform import mosaic_interpret_params
 
 ROWS = 64  # query rows per consumer warpgroup (the wgmma M tile)
 MASKED = -1e30  # masked score (base-2 units): exp2(MASKED - m) == 0 for any real m

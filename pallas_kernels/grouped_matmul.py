@@ -1,6 +1,6 @@
 """Grouped matmul over experts (MoE): Pallas kernel, TPU lowering (interpret mode elsewhere).
 
-Same contract as `jaxinfer.grouped_matmul.grouped_matmul_reference` (the spec):
+Same contract as `jaxinfer.ops.grouped_matmul.grouped_matmul_reference` (the spec):
   x            [M, K]     bfloat16 / float16 / float32 rows sorted by expert
   w            [E, N, K]  float expert weights (K-major), or a stacked QuantizedWeight:
                  values   [E, N, K]          int8, int4, float8_e4m3fn or float4_e2m1fn
@@ -74,7 +74,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer.backend import tpu_interpret_params
+from jaxinfer.ops.platform import tpu_interpret_params
+from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
+from jaxinfer.ops.quantized_matmul import quantize_activations_fp8
 from jaxinfer.pallas_kernels.quantized_matmul import (  # the same N / K blocking rules
     _block_k,
     _block_n,
@@ -84,8 +86,6 @@ from jaxinfer.pallas_kernels.quantized_matmul import (  # the same N / K blockin
     blocks_reason,
     dequant_dot,
 )
-from jaxinfer.quant import FP8_DTYPE, QuantizedWeight
-from jaxinfer.quantized_matmul import quantize_activations_fp8
 
 ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # Block defaults. On TPU, bm is capped by the weights' bits per element (TPU_BLOCK_M):

@@ -1,7 +1,7 @@
 """Weight-quantized matmul: Pallas kernel, TPU lowering (interpret mode elsewhere).
 
-Same contract as `jaxinfer.quantized_matmul.quantized_matmul_reference` (the
-spec; weight layouts in `jaxinfer.quant`):
+Same contract as `jaxinfer.ops.quantized_matmul.quantized_matmul_reference` (the
+spec; weight layouts in `jaxinfer.ops.quant`):
   x  [M, K]  bfloat16 / float16 activations, any M >= 1
   w  QuantizedWeight of W [N, K]:
        values   [N, K]          int8, int4 or float8_e4m3fn, K-major (as stored)
@@ -60,9 +60,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer.backend import tpu_interpret_params
-from jaxinfer.quant import FP8_DTYPE, QuantizedWeight
-from jaxinfer.quantized_matmul import dot_nt, quantize_activations_fp8
+from jaxinfer.ops.platform import tpu_interpret_params
+from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
+from jaxinfer.ops.quantized_matmul import dot_nt, quantize_activations_fp8
 
 ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
 LANES = 128

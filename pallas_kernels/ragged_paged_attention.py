@@ -1,6 +1,6 @@
 """Ragged paged attention: Pallas kernel, TPU lowering (interpret mode elsewhere).
 
-Same contract as `jaxinfer.attention.ragged_paged_attention_reference` (the
+Same contract as `jaxinfer.ops.attention.ragged_paged_attention_reference` (the
 spec; layouts in that module's docstring):
   q [T, Hq, D], k / v [T, Hkv, D] (this step's tokens), k_pages / v_pages
   [num_pages, page_size, Hkv, D] in q.dtype or float8_e4m3fn (per-layer float
@@ -45,8 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer.attention import FP8_KV_DTYPE, AttentionMetadata, token_positions, write_kv_pages
-from jaxinfer.backend import tpu_interpret_params
+from jaxinfer.ops.attention import FP8_KV_DTYPE, AttentionMetadata, token_positions, write_kv_pages
+from jaxinfer.ops.platform import tpu_interpret_params
 
 
 def _kernel(

@@ -1,6 +1,6 @@
 """Ragged paged attention: Pallas kernel, GPU (Triton) lowering, one program per token.
 
-Same contract as `jaxinfer.attention.ragged_paged_attention_reference` (the spec;
+Same contract as `jaxinfer.ops.attention.ragged_paged_attention_reference` (the spec;
 layouts in that module's docstring): q [T, Hq, D], k / v [T, Hkv, D], pages
 [num_pages, page_size, Hkv, D] in q.dtype or float8_e4m3fn, AttentionMetadata ->
 (out [T, Hq, D] in q.dtype, k_pages, v_pages).
@@ -46,7 +46,7 @@ Algorithm (flash decoding over pages):
 Every token reads its own keys, so a prefill chunk of n tokens reads its pages n
 times: this kernel is for steps of few tokens (decode), where a program per
 (token, KV head, split) fills the GPU; the Mosaic GPU kernel takes the rest on Hopper
-(`jaxinfer.attention` picks). fp8 pages are upcast to q.dtype in registers; k_scale
+(`jaxinfer.ops.attention` picks). fp8 pages are upcast to q.dtype in registers; k_scale
 folds into the score scale and v_scale multiplies the output.
 """
 
@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxinfer.attention import (
+from jaxinfer.ops.attention import (
     FP8_KV_DTYPE,
     AttentionMetadata,
     QKPrologue,

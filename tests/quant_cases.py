@@ -1,7 +1,7 @@
 """Quantized matmul cases and an independent float64 NumPy oracle.
 
 A case draws a fresh float W and activations x, quantizes W with
-`jaxinfer.quant.quantize`, and the oracle rebuilds W from the stored integers,
+`jaxinfer.ops.quant.quantize`, and the oracle rebuilds W from the stored integers,
 scales and offsets in float64 by its own arithmetic (not `dequantize`), then
 computes x @ W^T. For W8A8 it also rounds x to e4m3 per token itself.
 Shared by the tests of every implementation (reference, Pallas TPU, Mosaic GPU).
@@ -17,7 +17,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    fmt: str  # a `jaxinfer.quant.parse_format` spelling
+    fmt: str  # a `jaxinfer.ops.quant.parse_format` spelling
     m: int
     n: int
     k: int

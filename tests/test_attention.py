@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from attention_cases import CASES, Case, build, expected_pages, oracle
 
-from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
+from jaxinfer.ops.attention import AttentionMetadata, ragged_paged_attention
 
 
 def run(case: Case, b, implementation: str = "reference", prologue=None, fused=False):
@@ -267,8 +267,8 @@ def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
 def test_backend_choice_and_kernel_limits():
     """The dispatcher: reference on the CPU; an explicit Mosaic call with inputs the kernel
     does not take fails with a one-line reason (the automatic choice falls back instead)."""
-    from jaxinfer.attention import default_implementation
     from jaxinfer.mosaic.ragged_paged_attention import unsupported_reason
+    from jaxinfer.ops.attention import default_implementation
 
     assert default_implementation("cpu") == "reference"
     assert default_implementation("tpu") == "pallas_tpu"
@@ -291,7 +291,7 @@ def test_hopper_dispatch_picks_the_pallas_gpu_kernel_for_few_tokens(monkeypatch)
     PALLAS_GPU_MAX_TOKENS tokens runs the Pallas GPU kernel and a larger one the Mosaic
     kernel (both patched to report which ran); float32 inputs still fall back to the
     reference."""
-    import jaxinfer.attention as att
+    import jaxinfer.ops.attention as att
     from jaxinfer.mosaic import ragged_paged_attention as mosaic
     from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu
 
@@ -318,7 +318,7 @@ def test_one_token_write_into_pages_with_a_scratch_page(live, kv_dtype):
     """A one-token step whose pages end with a scratch page (md.scratch_page, the runner's)
     writes with a dynamic_update_slice: a live token's k/v land in its slot (quantised as
     the scatter path does), a padding token's in the scratch page; no other row changes."""
-    from jaxinfer.attention import FP8_KV_DTYPE, quantize_kv, write_kv_pages
+    from jaxinfer.ops.attention import FP8_KV_DTYPE, quantize_kv, write_kv_pages
 
     rng = np.random.default_rng()
     num_pages, ps, hkv, d = 9, 8, 2, 16
@@ -352,7 +352,7 @@ def test_multi_step_decode_pages_stay_finite_without_per_step_tail_zeroing():
     skip the tail zeroing (md.zero_tails=False): at every step each page a sequence reads
     holds finite values (the Mosaic kernel reads whole pages), its earlier tokens are kept,
     and no other page is touched."""
-    from jaxinfer.attention import write_kv_pages, zero_decode_slots
+    from jaxinfer.ops.attention import write_kv_pages, zero_decode_slots
 
     rng = np.random.default_rng()
     ps, hkv, d, steps = 8, 2, 16, 12
@@ -413,7 +413,7 @@ PROLOGUE_CASES = {
 def _prologue_oracle(case: Case, b, norm: bool, rng):
     """A random prologue for the case's tokens, and b with q / k replaced by the float64
     result (rounded to the case's dtype): what attention then sees."""
-    from jaxinfer.attention import QKPrologue, rope_tables
+    from jaxinfer.ops.attention import QKPrologue, rope_tables
 
     T, d = b["q"].shape[0], case.d
     pos = np.zeros(T, np.int32)
@@ -459,9 +459,9 @@ def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
     steps to the dtype where the oracle rounds once). At one token on pages in q's dtype
     the Pallas GPU kernel must apply the prologue itself (XLA's `apply` is not called), and
     read the fused projection whole (`split_qkv` is not called)."""
-    import jaxinfer.attention as attention
+    import jaxinfer.ops.attention as attention
     import jaxinfer.pallas_kernels.ragged_paged_attention_gpu as kernel
-    from jaxinfer.attention import QKPrologue
+    from jaxinfer.ops.attention import QKPrologue
 
     case = PROLOGUE_CASES[name]
     if implementation != "reference":

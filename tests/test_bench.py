@@ -62,8 +62,8 @@ def test_bench_latency_tiny(tmp_path, preset):
 
 def test_moe_active_weights():
     """A batch-1 MoE step reads k of E experts: the roofline counts only those."""
-    from jaxinfer.bench import expert_fraction, weight_bytes, weight_count
-    from jaxinfer.presets import preset_config, random_model
+    from jaxinfer.benchmarks.harness import expert_fraction, weight_bytes, weight_count
+    from jaxinfer.loading.presets import preset_config, random_model
 
     config = preset_config("tiny-moe")  # 8 experts, top 2, float32 here
     model = random_model(config, dtype=jnp.float32)

@@ -11,7 +11,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv_pages import PagePool, page_hash, page_hashes
+from jaxinfer.engine.kv_pages import PagePool, page_hash, page_hashes
 
 from .conftest import VOCAB
 
@@ -249,8 +249,8 @@ def test_decode_batches_pad_tokens_to_the_sequence_bucket():
     sequence under tensor parallelism); anything else pads to >= 16 tokens."""
     import jax.numpy as jnp
 
-    from jaxinfer.presets import preset_config, random_model
-    from jaxinfer.runner import ModelRunner, SeqChunk
+    from jaxinfer.engine.runner import ModelRunner, SeqChunk
+    from jaxinfer.loading.presets import preset_config, random_model
 
     runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=8,
                          page_size=PAGE, max_model_len=8 * PAGE)
@@ -274,7 +274,7 @@ def test_gpu_multi_step_decode_over_poisoned_pages_matches_single_steps():
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.presets import random_model
+    from jaxinfer.loading.presets import random_model
 
     config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
                          intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,

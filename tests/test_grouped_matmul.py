@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from grouped_cases import CASES, Case, build, oracle, stored_weights
 
-from jaxinfer.grouped_matmul import RowGroups, grouped_matmul
-from jaxinfer.quant import quantize
+from jaxinfer.ops.grouped_matmul import RowGroups, grouped_matmul
+from jaxinfer.ops.quant import quantize
 
 gpu = pytest.mark.gpu
 BACKENDS = [
@@ -148,7 +148,7 @@ def test_few_unsorted_rows_reduce_by_row_on_the_gpu_default(name, swiglu, monkey
     each row against its own group's weights (`grouped_matmul_rows`; quantized rows
     dequantised as gathered), not the kernel (patched here to fail), against the oracle;
     rows shuffled, rows of no group zero. The kernel still runs when forced."""
-    import jaxinfer.grouped_matmul as gm
+    import jaxinfer.ops.grouped_matmul as gm
     from jaxinfer.mosaic import grouped_matmul as mosaic_module
 
     def kernel_ran(*args, **kwargs):
@@ -190,7 +190,7 @@ def test_few_unsorted_rows_reduce_by_row_on_the_gpu_default(name, swiglu, monkey
 def test_few_unsorted_quantized_rows_the_kernel_takes_run_it(monkeypatch):
     """int8 / int4 experts at one decode token run the Mosaic kernel by default (faster
     than their rows there), not `grouped_matmul_rows`."""
-    import jaxinfer.grouped_matmul as gm
+    import jaxinfer.ops.grouped_matmul as gm
     from jaxinfer.mosaic import grouped_matmul as mosaic_module
 
     def kernel_ran(*args, **kwargs):
@@ -215,7 +215,7 @@ def test_decode_rows_of_formats_the_kernel_dequantises_reduce_by_row(m, by_row, 
     default: up to min(E, QUANT_ROWS_MAX_M) rows given with their row groups (a decode
     step's; sorted here) reduce by row, matching the reference; more rows run the kernel
     (patched here to fail)."""
-    import jaxinfer.grouped_matmul as gm
+    import jaxinfer.ops.grouped_matmul as gm
     from jaxinfer.mosaic import grouped_matmul as mosaic_module
 
     def kernel_ran(*args, **kwargs):

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.grouped_matmul import grouped_matmul_reference
 from jaxinfer.mosaic.grouped_matmul import (
     MIN_WIDTH,
     SMEM_BYTES,
@@ -29,7 +28,8 @@ from jaxinfer.mosaic.grouped_matmul import (
     row_items,
     smem_bytes,
 )
-from jaxinfer.quant import quantize
+from jaxinfer.ops.grouped_matmul import grouped_matmul_reference
+from jaxinfer.ops.quant import quantize
 
 gpu = pytest.mark.gpu
 

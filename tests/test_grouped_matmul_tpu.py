@@ -16,13 +16,13 @@ import quant_cases
 from grouped_cases import Case, build, oracle, stored_weights
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer.grouped_matmul import grouped_matmul
+from jaxinfer.ops.grouped_matmul import grouped_matmul
+from jaxinfer.ops.quant import quantize
 from jaxinfer.pallas_kernels.grouped_matmul import (
     grouped_matmul_tpu,
     unsupported_reason,
     work_list,
 )
-from jaxinfer.quant import quantize
 
 
 def _sizes_samples(rng, e: int, m: int, count: int):

@@ -1,4 +1,4 @@
-"""`jaxinfer.linear` against a float64 oracle: the dot (several rows, or one row of few
+"""`jaxinfer.ops.linear` against a float64 oracle: the dot (several rows, or one row of few
 features) and the one-row multiply-reduce, with a bias and a folded norm's row scale."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.linear import ONE_ROW_REDUCE_MIN_K, linear
+from jaxinfer.ops.linear import ONE_ROW_REDUCE_MIN_K, linear
 
 
 @pytest.mark.parametrize("rows,k", [(1, ONE_ROW_REDUCE_MIN_K + 64), (1, 576), (3, 1088)])

@@ -168,7 +168,7 @@ def test_padding_tokens_route_nowhere(monkeypatch):
     from flax import nnx
 
     import jaxinfer.models.moe as moe
-    from jaxinfer.presets import preset_config
+    from jaxinfer.loading.presets import preset_config
 
     config = preset_config("tiny-moe")
     layer = moe.MoE(config, dtype=jnp.float32, rngs=nnx.Rngs(np.random.randint(1 << 30)))
@@ -188,8 +188,8 @@ def test_padding_tokens_route_nowhere(monkeypatch):
 def _block_through(monkeypatch, layer, args, implementation, platform, calls, key):
     """layer(*args) as float32 numpy, on `platform`, with every grouped matmul of the MoE
     block forced to `implementation`; appends each call's keyword `key` to calls."""
-    import jaxinfer.grouped_matmul as gm
     import jaxinfer.models.moe as moe
+    import jaxinfer.ops.grouped_matmul as gm
 
     def call(x, w, sizes, **kw):
         calls.append(kw[key])
@@ -214,9 +214,9 @@ def test_one_token_rows_in_router_order(monkeypatch, live, implementation, platf
 
     from flax import nnx
 
-    import jaxinfer.grouped_matmul as gm
     import jaxinfer.models.moe as moe
-    from jaxinfer.presets import preset_config
+    import jaxinfer.ops.grouped_matmul as gm
+    from jaxinfer.loading.presets import preset_config
 
     row_calls = []
     real_rows = gm.grouped_matmul_rows
@@ -304,7 +304,7 @@ def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, pl
     from flax import nnx
 
     import jaxinfer.models.moe as moe
-    from jaxinfer.presets import preset_config
+    from jaxinfer.loading.presets import preset_config
 
     monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 0)
     monkeypatch.setattr(moe, "ALIGN_MIN_PAIRS_PER_GROUP", 0)
@@ -337,9 +337,9 @@ def test_quantized_experts_through_the_kernel(monkeypatch, tokens, fmt, implemen
     from flax import nnx
 
     import jaxinfer.models.moe as moe
+    from jaxinfer.loading.presets import preset_config
     from jaxinfer.mosaic.grouped_matmul import upcasts_in_registers
-    from jaxinfer.presets import preset_config
-    from jaxinfer.quant import quantize
+    from jaxinfer.ops.quant import quantize
 
     config = dataclasses.replace(preset_config("tiny-moe"), hidden_size=128,
                                  moe_intermediate_size=128)

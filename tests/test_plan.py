@@ -17,12 +17,12 @@ import pytest
 from click.testing import CliRunner
 from flax import nnx
 
-from jaxinfer import checkpoint
 from jaxinfer.cli.main import cli
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.errors import JaxinferError
-from jaxinfer.plan import GiB, float_tensors, model_tensors, plan_memory
-from jaxinfer.presets import preset_config, random_model
-from jaxinfer.runner import ModelRunner
+from jaxinfer.loading import checkpoint
+from jaxinfer.loading.plan import GiB, float_tensors, model_tensors, plan_memory
+from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.sharding import MeshSpec
 
 HBM = 64 * GiB

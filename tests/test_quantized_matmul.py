@@ -18,8 +18,8 @@ import pytest
 from quant_cases import CASES, Case, build, oracle, stored_weight
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.quant import QuantizedWeight, dequantize, error_bound, parse_format, quantize
-from jaxinfer.quantized_matmul import quantized_matmul
+from jaxinfer.ops.quant import QuantizedWeight, dequantize, error_bound, parse_format, quantize
+from jaxinfer.ops.quantized_matmul import quantized_matmul
 
 gpu = pytest.mark.gpu
 # (implementation, platform): kernels run in interpret mode on the CPU.

@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.checkpoint import convert
 from jaxinfer.cli.main import cli
-from jaxinfer.gguf_source import GGUFSource, decode_blocks
+from jaxinfer.loading.checkpoint import convert
+from jaxinfer.loading.gguf_source import GGUFSource, decode_blocks
 from jaxinfer.models.layers import is_quantizable
-from jaxinfer.quant import VALUE_DTYPES, QuantizedWeight, dequantize
+from jaxinfer.ops.quant import VALUE_DTYPES, QuantizedWeight, dequantize
 
 from .conftest import VOCAB, make_hf_model
 from .test_bad_input import _fails_cleanly
@@ -294,8 +294,8 @@ def test_preset_quantized_projections_round_their_float_weights():
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxinfer.presets import preset_config, random_model
-    from jaxinfer.quant import error_bound
+    from jaxinfer.loading.presets import preset_config, random_model
+    from jaxinfer.ops.quant import error_bound
 
     config = preset_config("tiny-moe")
     plain = dict(nnx.state(random_model(config, jnp.float32), nnx.Param).flat_state())

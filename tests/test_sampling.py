@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxinfer.engine.sampling import SamplingParams, SamplingTensors, sample, token_counts
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling import SamplingParams, SamplingTensors, sample, token_counts
 
 _sample = jax.jit(sample)
 
@@ -299,7 +299,7 @@ def test_penalties_match_numpy():
 
 
 def test_logprobs_are_raw_log_softmax():
-    from jaxinfer.sampling import logprobs_of
+    from jaxinfer.engine.sampling import logprobs_of
 
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 300)).astype(np.float32) * 4

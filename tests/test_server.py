@@ -562,7 +562,7 @@ class _FakeEngine:
         return bool(self.running)
 
     def step(self):
-        from jaxinfer.engine import RequestDelta
+        from jaxinfer.engine.engine import RequestDelta
 
         if any(13 in r.prompt_ids for r in self.running):
             raise RuntimeError("boom")
@@ -586,7 +586,7 @@ def test_engine_failure_is_a_500_and_the_server_goes_on():
 
     from fastapi.testclient import TestClient
 
-    from jaxinfer.server import create_app
+    from jaxinfer.serving.server import create_app
 
     llm = SimpleNamespace(engine=_FakeEngine(), tokenizer=None, max_model_len=64)
     with TestClient(create_app(llm, "fake")) as http:

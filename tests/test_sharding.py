@@ -18,11 +18,11 @@ import pytest
 from click.testing import CliRunner
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.checkpoint import convert
 from jaxinfer.cli.main import cli
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.presets import preset_config
+from jaxinfer.loading.checkpoint import convert
+from jaxinfer.loading.presets import preset_config
 from jaxinfer.sharding import MeshSpec
 
 from .conftest import VOCAB
@@ -188,7 +188,7 @@ def test_gpu_sharded_kernels_match_one_device(mesh):
     the split model's logits match one device's to bf16 rounding."""
     import jax.numpy as jnp
 
-    from jaxinfer.presets import random_model
+    from jaxinfer.loading.presets import random_model
 
     if jax.device_count() < 2:
         pytest.skip("needs 2 GPUs")
@@ -284,8 +284,8 @@ def test_fused_projections_compute_the_separate_ones(preset, mesh):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxinfer.attention import AttentionMetadata
-    from jaxinfer.presets import random_model
+    from jaxinfer.loading.presets import random_model
+    from jaxinfer.ops.attention import AttentionMetadata
 
     jax_mesh = MeshSpec.parse(mesh).meshes()[0]
     model = random_model(preset_config(preset), jnp.float32, seed=3, mesh=jax_mesh)

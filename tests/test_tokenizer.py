@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
+from jaxinfer.loading.tokenizer import IncrementalDecoder, Tokenizer
 
 
 def test_sentencepiece_leading_space_is_kept():

@@ -33,7 +33,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig, config_from_gguf
 from jaxinfer.errors import JaxinferError
 from jaxinfer.models.layers import is_quantizable
-from jaxinfer.quant import QuantizedWeight
+from jaxinfer.ops.quant import QuantizedWeight
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed.embedding",

@@ -4,7 +4,7 @@ Each `step()` builds one ragged batch: every running request that has caught
 up with its tokens decodes one token, and requests still prefilling add a
 chunk of their prompt, all under a per-step token budget.
 
-Pages (`jaxinfer.kv_pages.PagePool`) are taken as the tokens need them. A new
+Pages (`jaxinfer.engine.kv_pages.PagePool`) are taken as the tokens need them. A new
 request first reuses the cached full pages of its longest cached prefix (prefix
 caching: those tokens are not prefilled again) and is admitted only when the
 rest of its prompt fits in the free pages. When a request needs a page and none
@@ -31,11 +31,11 @@ import itertools
 import time
 from collections import deque
 
+from jaxinfer.engine.kv_pages import PagePool, page_hashes
+from jaxinfer.engine.runner import ModelRunner, SeqChunk
+from jaxinfer.engine.sampling import SamplingParams, TokenLogprob
 from jaxinfer.errors import JaxinferError
-from jaxinfer.kv_pages import PagePool, page_hashes
-from jaxinfer.runner import ModelRunner, SeqChunk
-from jaxinfer.sampling import SamplingParams, TokenLogprob
-from jaxinfer.tokenizer import IncrementalDecoder, Tokenizer
+from jaxinfer.loading.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @dataclasses.dataclass(eq=False)  # identity, not field equality

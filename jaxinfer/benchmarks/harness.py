@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.attention import AttentionMetadata, ragged_paged_attention
-from jaxinfer.linear import linear
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.ops.attention import AttentionMetadata, ragged_paged_attention
+from jaxinfer.ops.linear import linear
 
 
 @dataclasses.dataclass

@@ -35,8 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.metrics import EngineSnapshot, Metrics
-from jaxinfer.openai_protocol import (
+from jaxinfer.serving.metrics import EngineSnapshot, Metrics
+from jaxinfer.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionLogprobs,
@@ -48,7 +48,7 @@ from jaxinfer.openai_protocol import (
     usage,
 )
 
-log = logging.getLogger("jaxinfer.server")
+log = logging.getLogger("jaxinfer.serving.server")
 
 
 class EngineFailure(Exception):
@@ -381,7 +381,7 @@ def _collected(deltas, with_logprobs: bool) -> tuple[str, list[int], list | None
 
 
 def _model_info(llm) -> dict[str, float]:
-    from jaxinfer.bench import weight_bytes, weight_count
+    from jaxinfer.benchmarks.harness import weight_bytes, weight_count
 
     c, kv = llm.config, llm.runner.kv_cache[0][0]
     return {"weight_bytes": weight_bytes(llm.model), "weight_count": weight_count(llm.model),

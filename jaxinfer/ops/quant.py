@@ -11,7 +11,7 @@ transposed on the fly):
 
   W[n, k] = values[n, k] * scales[k // group_size, n]  (+ offsets[k // group_size, n])
 
-A stack of E expert weights W [E, N, K] (MoE, see `jaxinfer.grouped_matmul`) is the
+A stack of E expert weights W [E, N, K] (MoE, see `jaxinfer.ops.grouped_matmul`) is the
 same with a leading expert axis on every part: values [E, N, K], scales [E, K // g, N].
 
 An integer zero point z is the offset -z * scale, so one form covers AWQ's

@@ -58,7 +58,7 @@ def default_gguf() -> Path:
 
 def default_model_path() -> Path:
     """The converted default model, converting it on first use."""
-    from jaxinfer.checkpoint import convert
+    from jaxinfer.loading.checkpoint import convert
 
     out = cache_dir() / CONVERTED_NAME
     if not out.exists():

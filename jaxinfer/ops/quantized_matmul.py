@@ -1,7 +1,7 @@
 """Quantized matmul: y = x @ W^T for a `QuantizedWeight` W, the one entry point.
 
   x  [..., K]  bfloat16 / float16 / float32 activations
-  w  QuantizedWeight of W [N, K] (see `jaxinfer.quant`)
+  w  QuantizedWeight of W [N, K] (see `jaxinfer.ops.quant`)
   -> [..., N] in x.dtype, accumulated in float32
 
 `quantized_matmul` picks the implementation in one place: the Mosaic GPU kernel
@@ -16,8 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
-from jaxinfer.quant import FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize
+from jaxinfer.ops.platform import IMPLEMENTATIONS, default_implementation
+from jaxinfer.ops.quant import FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize
 
 
 def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:

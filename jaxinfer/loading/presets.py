@@ -15,8 +15,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.models import Decoder
 from jaxinfer.models.layers import is_quantizable
-from jaxinfer.quant import QuantFormat, QuantizedWeight, parse_format
-from jaxinfer.quant import quantize as quantize_weight
+from jaxinfer.ops.quant import QuantFormat, QuantizedWeight, parse_format
+from jaxinfer.ops.quant import quantize as quantize_weight
 from jaxinfer.sharding import MeshSpec
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -87,10 +87,10 @@ def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
     gives the same model on any mesh.
 
     Matrices ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.02^2) (never zeros). `quantize`
-    (a `jaxinfer.quant.parse_format` spelling): the decoder-block projections are then
+    (a `jaxinfer.ops.quant.parse_format` spelling): the decoder-block projections are then
     quantized to it on the device, as `jaxinfer convert --quantize` would store them.
     """
-    from jaxinfer.checkpoint import OFFSET, SCALE, _build_model, model_placer
+    from jaxinfer.loading.checkpoint import OFFSET, SCALE, _build_model, model_placer
 
     fmt = parse_format(quantize) if quantize else None
     placer = model_placer(config, mesh or MeshSpec().meshes()[0])
@@ -118,7 +118,7 @@ def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
 
 @functools.partial(jax.jit, static_argnums=1)
 def _quantized(w: jax.Array, fmt: QuantFormat) -> QuantizedWeight:
-    """`jaxinfer.quant.quantize` of W [N, K] or of each matrix of a stack [E, N, K]."""
+    """`jaxinfer.ops.quant.quantize` of W [N, K] or of each matrix of a stack [E, N, K]."""
     if w.ndim == 3:
         return jax.vmap(lambda we: quantize_weight(we, fmt))(w)
     return quantize_weight(w, fmt)

@@ -47,7 +47,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
+from jaxinfer.ops.platform import IMPLEMENTATIONS, default_implementation
 from jaxinfer.sharding import P, shard_map_logical
 
 

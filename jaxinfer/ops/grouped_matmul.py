@@ -3,7 +3,7 @@
   x            [M, K]     bfloat16 / float16 / float32 rows, sorted by expert: rows
                           [start_e, start_e + group_sizes[e]) belong to expert e, where
                           start_e = group_sizes[0] + ... + group_sizes[e - 1]
-  w            [E, N, K]  float expert weights (K-major, like `jaxinfer.linear`), or a
+  w            [E, N, K]  float expert weights (K-major, like `jaxinfer.ops.linear`), or a
                           stacked `QuantizedWeight` (values [E, N, K], scales [E, K // g, N])
   group_sizes  [E]        int32, >= 0, summing to at most M (dynamic: shapes stay static)
   row_groups   RowGroups  optional: each row's group and a span of that group's rows
@@ -42,8 +42,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.backend import IMPLEMENTATIONS, default_implementation
-from jaxinfer.quant import QuantizedWeight, dequantize
+from jaxinfer.ops.platform import IMPLEMENTATIONS, default_implementation
+from jaxinfer.ops.quant import QuantizedWeight, dequantize
 
 ExpertWeights = jax.Array | QuantizedWeight
 

@@ -7,7 +7,7 @@ A converted checkpoint is a directory:
   tokenizer.json, tokenizer_config.json, ...  copied (HF) or rebuilt (GGUF)
 
 Quantized projections (q/k/v/o, gate/up/down only) are stored as the parts of a
-`jaxinfer.quant.QuantizedWeight` under the compressed-tensors / vLLM names:
+`jaxinfer.ops.quant.QuantizedWeight` under the compressed-tensors / vLLM names:
   layers.3.attn.q_proj.weight         values [N, K] int8, int4 or float8_e4m3fn
   layers.3.attn.q_proj.weight_scale   scales [K // group, N] float32
   layers.3.attn.q_proj.weight_offset  offsets like the scales (asymmetric formats only)
@@ -37,12 +37,12 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.gguf_source import GGUFSource
-from jaxinfer.hf_source import HFSource
+from jaxinfer.loading.gguf_source import GGUFSource
+from jaxinfer.loading.hf_source import HFSource
 from jaxinfer.models import Decoder
 from jaxinfer.models.layers import is_quantizable
-from jaxinfer.quant import FP8_DTYPE, VALUE_DTYPES, QuantFormat, QuantizedWeight, parse_format
-from jaxinfer.quant import quantize as quantize_weight
+from jaxinfer.ops.quant import FP8_DTYPE, VALUE_DTYPES, QuantFormat, QuantizedWeight, parse_format
+from jaxinfer.ops.quant import quantize as quantize_weight
 from jaxinfer.sharding import MeshSpec, ParamPlacer, mesh_axis_size, param_axes, sharded_config
 
 GROUP_BYTES = 64 << 20
@@ -145,7 +145,7 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
             quantize: str | None = None, progress: bool = True) -> Path:
     """Converts an HF directory or GGUF file to a jaxinfer (Orbax) checkpoint directory.
 
-    `quantize` is a `jaxinfer.quant.parse_format` spelling ("int8", "int4:g128",
+    `quantize` is a `jaxinfer.ops.quant.parse_format` spelling ("int8", "int4:g128",
     "fp8", ...) for the decoder-block projections, or "none". None (the default):
     HF weights stay float, a GGUF keeps its Q4_0 / Q4_1 / Q8_0 projections as they
     are (other tensor types are dequantized). "none" dequantizes everything; a

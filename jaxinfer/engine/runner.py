@@ -18,10 +18,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer import multihost
-from jaxinfer.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
-from jaxinfer.models import Decoder
-from jaxinfer.sampling import (
+from jaxinfer.engine import multihost
+from jaxinfer.engine.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
     SamplingTensors,
@@ -29,6 +27,8 @@ from jaxinfer.sampling import (
     sample,
     token_counts,
 )
+from jaxinfer.models import Decoder
+from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
 from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 
 

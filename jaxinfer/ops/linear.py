@@ -4,15 +4,15 @@ Weights are stored (N, K) = (out_features, in_features), K-major: the layout of
 HF checkpoints, and the one 8-bit tensor-core operands need (they cannot be
 transposed on the fly). A float W is one XLA dot (a multiply and a row reduction
 when x is one row, see `linear`); a `QuantizedWeight` (int8 /
-int4 / fp8 values with per-group scales, see `jaxinfer.quant`) goes to
+int4 / fp8 values with per-group scales, see `jaxinfer.ops.quant`) goes to
 `quantized_matmul`, which picks the kernel for the device.
 """
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant import QuantizedWeight
-from jaxinfer.quantized_matmul import quantized_matmul
+from jaxinfer.ops.quant import QuantizedWeight
+from jaxinfer.ops.quantized_matmul import quantized_matmul
 
 # One-row products over at least this many input features are a multiply-reduce
 # (`linear`); below it XLA's dot was faster (SmolLM2's head, K = 576: 16.2 us against 18.1).

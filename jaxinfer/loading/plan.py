@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from jaxinfer.attention import KV_PAGES_AXES
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.ops.attention import KV_PAGES_AXES
 from jaxinfer.sharding import (
     MESH_AXES,
     MeshSpec,
@@ -112,7 +112,7 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
 
     tensors: checkpoint key -> shape and dtype as loaded (before the tp relayout), e.g. from
     `model_tensors`; None: every parameter of the model at `dtype`, the decoder-block
-    projections quantized to `quantization` (a `jaxinfer.quant.parse_format` spelling) if
+    projections quantized to `quantization` (a `jaxinfer.ops.quant.parse_format` spelling) if
     given. context: default the model's max_position_embeddings capped at 8192.
     reserve_bytes: default `default_reserve(...)` for max_num_seqs and max_num_batched_tokens.
     Raises JaxinferError if the mesh does not split the model or nothing is left for the KV
@@ -257,9 +257,9 @@ def float_tensors(config: ModelConfig, dtype: str = "bfloat16", quantization: st
     projections quantized to `quantization` if given, or those in `quantized` (key ->
     QuantFormat) to theirs: values [..., N, K], float32 scales [..., K // g, N] (and
     offsets like them for asymmetric formats). model: the abstract model, if at hand."""
-    from jaxinfer.checkpoint import DTYPES, OFFSET, SCALE
+    from jaxinfer.loading.checkpoint import DTYPES, OFFSET, SCALE
     from jaxinfer.models.layers import is_quantizable
-    from jaxinfer.quant import VALUE_DTYPES, parse_format
+    from jaxinfer.ops.quant import VALUE_DTYPES, parse_format
 
     if dtype not in DTYPES:
         raise JaxinferError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -296,8 +296,8 @@ def model_tensors(model: str, dtype: str | None = None, quantization: str | None
     (not for converted checkpoints) plans the projections quantized as `jaxinfer convert
     --quantize` would store them.
     """
-    from jaxinfer import checkpoint
-    from jaxinfer.presets import PRESETS
+    from jaxinfer.loading import checkpoint
+    from jaxinfer.loading.presets import PRESETS
 
     if model in PRESETS:
         return PRESETS[model], float_tensors(PRESETS[model], dtype or "bfloat16", quantization)
@@ -317,7 +317,7 @@ def model_tensors(model: str, dtype: str | None = None, quantization: str | None
 
 
 def _converted_tensors(path: Path, dtype: str | None):
-    from jaxinfer import checkpoint
+    from jaxinfer.loading import checkpoint
 
     config = ModelConfig.from_json_file(path / checkpoint.CONFIG_FILE)
     weights_dir = path / checkpoint.WEIGHTS_DIR
@@ -339,9 +339,9 @@ def _native_formats(source) -> dict:
     """key -> QuantFormat of the tensors a source loads quantized (names only; no data read)."""
     import re
 
-    from jaxinfer.gguf_source import GGUFSource, gguf_key
+    from jaxinfer.loading.gguf_source import GGUFSource, gguf_key
     from jaxinfer.models.layers import is_quantizable
-    from jaxinfer.quant import parse_format
+    from jaxinfer.ops.quant import parse_format
 
     out = {}
     if isinstance(source, GGUFSource):

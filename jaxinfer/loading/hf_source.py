@@ -20,8 +20,8 @@ from safetensors import safe_open
 
 from jaxinfer.config import ModelConfig, config_from_hf, read_json
 from jaxinfer.errors import JaxinferError
-from jaxinfer.quant import QuantizedWeight, dequantize
-from jaxinfer.tokenizer import TOKENIZER_FILES
+from jaxinfer.loading.tokenizer import TOKENIZER_FILES
+from jaxinfer.ops.quant import QuantizedWeight, dequantize
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "input_norm.scale",

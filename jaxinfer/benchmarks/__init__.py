@@ -1,0 +1,2 @@
+"""The benchmark harness (timing, ceilings, rooflines) that `jaxinfer bench` and the
+scripts in bench/ use, and the serving load generator."""

@@ -1,0 +1,72 @@
+"""What every op registry is made of: implementations in preference order, one `pick`.
+
+An op (ragged paged attention, linear, grouped matmul) has a contract module (its
+signature, layouts, weight formats and pure-JAX reference) and a registry module that
+lists its implementations, most preferred first. Each `Implementation` says which calls it
+takes through `supports(call)`, which returns None or, in words, why not: the hardware it
+needs, the dtypes and shapes it takes, and the tuned size limits where another
+implementation is faster. `Registry.pick` returns the first that supports a call, so the
+rules that choose between implementations live in the registry entries and nowhere else.
+A kernel's own tile or configuration choice stays in the kernel.
+
+`implementation="name"` forces one (tests and benchmarks): it runs whatever `supports`
+says (kernels run in interpret mode off their hardware).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One implementation of an op.
+
+    name      what `implementation=` calls it
+    fn        the function, with the op's signature (see its registry module)
+    supports  call -> None if it takes the call, else why not (one line)
+    fuses     neighbouring work it does itself (e.g. ("qk_norm", "rope") for the attention
+              kernel that applies the q/k prologue), which callers then need not run
+    """
+
+    name: str
+    fn: Callable
+    supports: Callable[[Any], str | None]
+    fuses: tuple[str, ...] = ()
+
+
+class Registry:
+    """An op's implementations in preference order; the last must take every call."""
+
+    def __init__(self, op: str, implementations: Sequence[Implementation]):
+        self.op = op
+        self.implementations = tuple(implementations)
+        self.by_name = {impl.name: impl for impl in self.implementations}
+        if len(self.by_name) != len(self.implementations):
+            raise ValueError(f"{op}: two implementations share a name")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.by_name)
+
+    def __getitem__(self, name: str) -> Implementation:
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise ValueError(f"{self.op} implementation {name!r}: expected one of "
+                             f"{self.names}") from None
+
+    def reasons(self, call) -> dict[str, str | None]:
+        """Each implementation's answer for `call`: None (supported) or why not."""
+        return {impl.name: impl.supports(call) for impl in self.implementations}
+
+    def pick(self, call, implementation: str | None = None) -> Implementation:
+        """The forced `implementation`, else the first implementation that supports `call`."""
+        if implementation is not None:
+            return self[implementation]
+        for impl in self.implementations:
+            if impl.supports(call) is None:
+                return impl
+        raise ValueError(f"{self.op}: no implementation takes this call: {self.reasons(call)}")

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server, its request/response protocol and its metrics."""
