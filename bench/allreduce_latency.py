@@ -13,8 +13,6 @@ or its own collective kernels) follows XLA_FLAGS, e.g.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from functools import partial
 
 import jax
@@ -22,22 +20,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.benchmarks.harness import median_seconds
+
 
 def chain(x, n: int, reduce: bool):
     for _ in range(n):
         y = jax.lax.psum(x, "tp") if reduce else x + x
         x = jnp.tanh(y)  # keeps the values bounded and each link dependent on the last
     return x
-
-
-def median_wall(fn, x, iters: int) -> float:
-    fn(x).block_until_ready()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main():
@@ -60,7 +50,8 @@ def main():
         for reduce in (True, False):
             body = partial(chain, n=args.chain, reduce=reduce)
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
-            wall[reduce] = median_wall(fn, x, args.iters)
+            wall[reduce] = median_seconds(fn, x, iters=args.iters, warmup=1,
+                                          device_time=False)
         per = (wall[True] - wall[False]) / args.chain
         print(f"| {t} | {t * args.hidden * 2} | {wall[True] * 1e3:.3f} | "
               f"{wall[False] * 1e3:.3f} | {per * 1e6:.1f} |")

@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-CHILD = """
-import sys, time, resource
-from jaxinfer.loading.checkpoint import convert
-t = time.perf_counter()
-convert(sys.argv[1], sys.argv[2], dtype="bfloat16", progress=False)
-print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
+from jaxinfer.benchmarks.harness import convert_in_child_process
 
 
 def write_checkpoint(path: Path, layers: int, hidden: int, vocab: int):
@@ -61,7 +53,7 @@ def write_checkpoint(path: Path, layers: int, hidden: int, vocab: int):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 24])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -71,11 +63,10 @@ def main():
     for layers in args.layers:
         with tempfile.TemporaryDirectory() as tmp:
             size = write_checkpoint(Path(tmp) / "src", layers, args.hidden, args.vocab)
-            out = subprocess.run([sys.executable, "-c", CHILD, f"{tmp}/src", f"{tmp}/out"],
-                                 capture_output=True, text=True, check=True).stdout.split()
+            wall, rss = convert_in_child_process(f"{tmp}/src", f"{tmp}/out", "bfloat16")
             largest = args.vocab * args.hidden * 4 / 2**20
-            print(f"| {layers} | {size / 2**20:.0f} | {largest:.0f} | {float(out[0]):.1f} "
-                  f"| {int(out[1]) / 1024:.0f} |")
+            print(f"| {layers} | {size / 2**20:.0f} | {largest:.0f} | {wall:.1f} "
+                  f"| {rss / 2**20:.0f} |")
 
 
 if __name__ == "__main__":

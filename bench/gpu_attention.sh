@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 3 on the device: the attention GPU tests, then bench/attention.py; logs under $OUT.
+# The attention kernels on the device: their GPU tests, then bench/attention_kernels.py; logs
+# under $OUT.
 #   device run: bash bench/gpu_attention.sh [bench args]   (carry: .whl, from `pip wheel --no-deps . -w .whl`)
 source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
@@ -8,5 +9,5 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     --rootdir "$REPO" -m gpu --import-mode=importlib -q -rs -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
     | grep -v "^WARNING" | tee "$OUT/gpu_attention_tests.log" | tail -40
 fi
-timeout ${BENCH_TIMEOUT:-400} python3 "$REPO/bench/attention.py" --json "$OUT/attention.json" "$@" 2>&1 \
+timeout ${BENCH_TIMEOUT:-400} python3 "$REPO/bench/attention_kernels.py" --json "$OUT/attention.json" "$@" 2>&1 \
   | grep -v "^WARNING" | tee "$OUT/attention_bench.log"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device lease for the MoE issue (7): the grouped-matmul GPU tests, the kernel table,
-# and Qwen3-30B-A3B-shaped batch-1 decode end to end (bf16: needs an H200).
+# MoE on the device: the grouped-matmul GPU tests, the kernel table
+# (bench/grouped_matmul_kernels.py), and Qwen3-30B-A3B-shaped batch-1 decode end to end
+# (bf16: needs an H200).
 #   device run: bash bench/gpu_moe.sh [part...]   (parts: tests kernels e2e; carry: .whl)
 source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -12,8 +13,8 @@ for part in ${*:-tests kernels e2e}; do
       -m gpu --import-mode=importlib -q -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     tail -4 "$OUT/gpu_tests.log" ;;
   kernels)
-    (cd "$REPO/bench" && timeout -k 5 300 python3 grouped_matmul.py --out "$OUT/grouped.md" \
-      > "$OUT/grouped.log" 2>&1); grep -v "^WARNING" "$OUT/grouped.md" 2>/dev/null \
+    timeout -k 5 300 python3 "$REPO/bench/grouped_matmul_kernels.py" --out "$OUT/grouped.md" \
+      > "$OUT/grouped.log" 2>&1; grep -v "^WARNING" "$OUT/grouped.md" 2>/dev/null \
       || tail -20 "$OUT/grouped.log" ;;
   e2e)
     timeout -k 5 300 python3 -m jaxinfer.cli.main bench latency --preset qwen3-30b-a3b \

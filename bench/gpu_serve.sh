@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device lease for the serving engine (issue 6): host overhead (CUPTI), batch-1 latency,
-# the batch-64 decode phase, 64-request throughput, then the HTTP load generator against
-# `jaxinfer serve`; the other parts are the experiments bench/NOTES.md describes.
+# The serving engine on the device: host overhead (CUPTI), batch-1 latency, the batch-64
+# decode phase, 64-request throughput, then the HTTP load generator against `jaxinfer
+# serve` (the default parts). Other parts: overhead64, timeline (where the GPU idles), nocb
+# and graphs (XLA command buffers / CUDA graphs off and on), ab (this wheel against an older
+# one, in turn).
 #   device run: bash bench/gpu_serve.sh [part...]   (carry: .whl = the jaxinfer wheel plus the
 #   fastapi / starlette / pydantic / uvicorn wheels, see bench/RESULTS.md)
 source "$(dirname "$0")/device_env.sh"  # wheels -> /tmp/site, $OUT, $REPO, cd /tmp
@@ -29,9 +31,9 @@ for part in $parts; do
       tag=$1; shift
       flags=""; [ "$tag" = b1graphs ] && flags="$graphs --xla_gpu_graph_min_graph_size=1"
       echo "== timeline $tag"
-      (cd "$REPO/bench" && XLA_FLAGS=$flags timeout -k 5 200 python3 timeline.py \
+      XLA_FLAGS=$flags timeout -k 5 200 python3 "$REPO/bench/gpu_idle_gaps.py" \
         --preset llama3-8b --decode-steps 8 "$@" --json "$OUT/timeline_$tag.json" 2>&1 \
-        | grep -v "^WARNING\|^W0000\|^I0000" | tail -18)
+        | grep -v "^WARNING\|^W0000\|^I0000" | tail -18
     done ;;
   nocb)  # XLA's command buffers (CUDA graphs, on by default) off vs on, in turn
     nocb="--xla_gpu_enable_command_buffer="
@@ -45,9 +47,9 @@ for part in $parts; do
       echo "XLA_FLAGS=${flags:-(none)}: $(XLA_FLAGS=$flags python3 $REPO/bench/host_overhead.py \
         --preset llama3-8b --batch 64 --ctx 1152 --decode-steps 8 2>&1 | grep ms/token)"
     done
-    (cd "$REPO/bench" && XLA_FLAGS=$nocb timeout -k 5 200 python3 timeline.py --preset llama3-8b \
-      --decode-steps 8 --batch 1 --json "$OUT/timeline_nocb.json" 2>&1 \
-      | grep -v "^WARNING\|^W0000\|^I0000" | tail -18) ;;
+    XLA_FLAGS=$nocb timeout -k 5 200 python3 "$REPO/bench/gpu_idle_gaps.py" \
+      --preset llama3-8b --decode-steps 8 --batch 1 --json "$OUT/timeline_nocb.json" 2>&1 \
+      | grep -v "^WARNING\|^W0000\|^I0000" | tail -18 ;;
   ab)  # batch-1 latency (and batch-64 decode) of this wheel against .whl/old/ (a previous
     # commit's wheel), in turn; then this wheel at 16 and 32 decode steps per round trip
     rm -rf /tmp/site_old; python3 -m pip install -q --no-index --no-deps --no-compile \

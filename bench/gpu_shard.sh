@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One lease for the sharding issue (8) on a 2-GPU (or 4-GPU) H200 machine: the GPU sharding
-# test, the memory planner against real allocation, and decode at batch 1 and 64 for
+# Sharding on a 2-GPU (or 4-GPU) machine: the GPU sharding tests, the memory planner against
+# real allocation (bench/memory_plan_check.py), and decode at batch 1 and 64 for the
 # Llama-3-8B shape at tp=1 / tp=2 (/ tp=4), and a MoE shape at ep=1 / ep=2.
 #   device run (kind nvidia-h200-x2): bash bench/gpu_shard.sh [part...]   (carry: .whl)
 #   parts: tests plan dense steps profile sequence flags allreduce processes moe
@@ -24,7 +24,7 @@ for part in ${*:-tests plan dense moe}; do
     tail -4 "$OUT/gpu_tests.log" ;;
   plan)
     for mesh in tp=1 tp=$NGPU; do
-      timeout -k 5 200 python3 "$REPO/bench/plan_check.py" --preset llama3-8b --mesh "$mesh" \
+      timeout -k 5 200 python3 "$REPO/bench/memory_plan_check.py" --preset llama3-8b --mesh "$mesh" \
         >> "$OUT/plan.log" 2>&1
     done
     grep -v "^WARNING" "$OUT/plan.log" | tail -30 ;;
@@ -35,9 +35,9 @@ for part in ${*:-tests plan dense moe}; do
       [ "$NGPU" -ge 4 ] && latency llama3-8b tp=4 $b llama_tp4_b$b
     done ;;
   profile)  # where a tp=2 batch-1 decode step's time goes (kernel time per device)
-    (cd "$REPO/bench" && timeout -k 5 200 python3 host_overhead.py --preset llama3-8b --batch 1 \
+    timeout -k 5 200 python3 "$REPO/bench/host_overhead.py" --preset llama3-8b --batch 1 \
       --decode-steps 8 --mesh tp=2 --top 20 --json "$OUT/overhead_tp2.json" \
-      > "$OUT/overhead_tp2.log" 2>&1); grep -v "^WARNING" "$OUT/overhead_tp2.log" | tail -24 ;;
+      > "$OUT/overhead_tp2.log" 2>&1; grep -v "^WARNING" "$OUT/overhead_tp2.log" | tail -24 ;;
   steps)  # the host wall time of each engine step of the batch-1 latency workload, tp=1,
     # without and after measuring the ceilings (CUPTI) in the same process
     for first in "" --ceilings-first; do
@@ -47,9 +47,9 @@ for part in ${*:-tests plan dense moe}; do
     done ;;
   sequence)  # every kernel of a batch-1 decode token in order (CUPTI), tp=1 and tp=2
     for tp in ${SEQUENCE_TPS:-1 2}; do
-      (cd "$REPO/bench" && timeout -k 5 200 python3 host_overhead.py --preset llama3-8b \
+      timeout -k 5 200 python3 "$REPO/bench/host_overhead.py" --preset llama3-8b \
         --batch 1 --decode-steps 8 --mesh tp=$tp --top 12 --sequence 2000 \
-        --json "$OUT/seq_tp$tp.json" > "$OUT/seq_tp$tp.log" 2>&1)
+        --json "$OUT/seq_tp$tp.json" > "$OUT/seq_tp$tp.log" 2>&1
       echo "tp=$tp: $(grep -h 'ms/token' "$OUT/seq_tp$tp.log" || tail -3 "$OUT/seq_tp$tp.log")"
     done ;;
   flags)  # tp=2 batch-1 decode (CUPTI, as profile) under each XLA / engine option tried;
@@ -57,9 +57,9 @@ for part in ${*:-tests plan dense moe}; do
     run_profile() {  # tag, then the environment to run it under
       local tag=$1; shift
       [ -n "$FLAG_VARIANTS" ] && [[ " $FLAG_VARIANTS " != *" $tag "* ]] && return
-      (cd "$REPO/bench" && env "$@" timeout -k 5 200 python3 host_overhead.py --preset llama3-8b \
+      env "$@" timeout -k 5 200 python3 "$REPO/bench/host_overhead.py" --preset llama3-8b \
         --batch 1 --decode-steps 8 --mesh "${MESH:-tp=2}" --top 12 --json "$OUT/flags_$tag.json" \
-        > "$OUT/flags_$tag.log" 2>&1)
+        > "$OUT/flags_$tag.log" 2>&1
       echo "$tag: $(grep -h 'ms/token' "$OUT/flags_$tag.log" || tail -3 "$OUT/flags_$tag.log")"
     }
     sync=--xla_gpu_disable_async_collectives=ALLREDUCE

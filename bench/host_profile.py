@@ -1,14 +1,14 @@
 """Where the host's time goes between device steps: cProfile around engine steps.
 
-The decode workload of `host_overhead.py` (B requests at --ctx tokens, decode shapes
-compiled first; its KV pool sized to the workload), then --steps engine steps under
-cProfile: prints the wall time per engine step and the costliest functions. The jitted call
-blocks while XLA drives the decode loop, so `_run_sample` holds the device time; the rest is
-host work the GPU waits for.
+The decode workload of `host_overhead.py` (`jaxinfer.benchmarks.end_to_end.decoding_llm`:
+B requests at --ctx tokens, decode shapes compiled first; its KV pool sized to the
+workload), then --steps engine steps under cProfile: prints the wall time per engine step
+and the costliest functions. The jitted call blocks while XLA drives the decode loop, so
+`_run_sample` holds the device time; the rest is host work the GPU waits for.
 
-    cd bench; python host_profile.py --preset llama3-8b --batch 64 --ctx 1152 \
+    python bench/host_profile.py --preset llama3-8b --batch 64 --ctx 1152 \\
         --decode-steps 32 --steps 4
-    cd bench; python host_profile.py --preset tiny --batch 64 --ctx 64 --decode-steps 32 \\
+    python bench/host_profile.py --preset tiny --batch 64 --ctx 64 --decode-steps 32 \\
         --steps 20 --time-finish 20   # CPU: Engine.finish alone
 """
 
@@ -18,11 +18,11 @@ import cProfile
 import pstats
 import time
 
-from host_overhead import decoding_llm, workload_parser  # bench/, beside this script
+from jaxinfer.benchmarks.end_to_end import decoding_llm, workload_parser
 
 
 def main():
-    ap = workload_parser(4, "engine steps profiled")
+    ap = workload_parser(4, "engine steps profiled", __doc__.split("\n")[0])
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--time-finish", type=int, default=0, metavar="N",
                     help="instead: time N calls of Engine.finish once their outputs are "

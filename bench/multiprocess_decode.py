@@ -30,6 +30,8 @@ def main():
     ap.add_argument("--num-processes", type=int, default=None)
     ap.add_argument("--process-id", type=int, default=None)
     args = ap.parse_args()
+    # jax.distributed must start before anything queries the devices: jax and the rest of
+    # jaxinfer are imported once it has.
     from jaxinfer.engine import multihost
 
     multihost.initialize(args.coordinator, args.num_processes, args.process_id)

@@ -6,19 +6,22 @@ multiply and row reduction over the gathered experts.
 For Qwen3-30B-A3B (top-8 of 128) and Mixtral-8x7B (top-2 of 8) expert shapes, bf16, one
 token: its k rows (each its own group, in the router's order, as `jaxinfer.models.moe`
 passes them) through gate_up with the SwiGLU, then down; each form alone and the pair in
-one jit. CUPTI medians over calls that draw fresh random experts (each call reads its
-weights from HBM); the copy bandwidth is measured in the same run.
+one jit. CUPTI medians (`jaxinfer.benchmarks.harness.kernel_times`) over calls on other
+random experts each; each measured call follows an untimed one on the same experts, so
+what of them fits in L2 is read from there. The copy bandwidth is measured in the same run.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.mosaic.gpu import profiler
 
-from jaxinfer.benchmarks.harness import measure_ceilings
-from jaxinfer.ops.grouped_matmul import RowGroups, grouped_matmul, grouped_matmul_rows
+from jaxinfer.benchmarks.harness import kernel_times, measure_ceilings
+from jaxinfer.ops.grouped_matmul import RowGroups, grouped_matmul_rows
+from jaxinfer.ops.grouped_matmul_registry import grouped_matmul
 
 SHAPES = {  # E, k, H (model width), I (expert width)
     "qwen3": (128, 8, 2048, 768),
@@ -46,21 +49,11 @@ def pair(form):
     return run
 
 
-def timed(fn, args_of, calls=40):
-    times, kernels = [], {}
-    for i in range(calls):
-        _, per_kernel = profiler.measure(fn, aggregate=False)(*args_of(i))
-        times.append(sum(t for _, t in per_kernel))
-        for name, t in per_kernel:
-            kernels.setdefault(name[:28], []).append(t)
-    return float(np.median(times)) * 1e3, {n: round(float(np.median(t)) * 1e3, 2)
-                                            for n, t in kernels.items()}
-
-
 def main():
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help
     ceilings = measure_ceilings()
+    print(ceilings.line(), flush=True)
     copy = ceilings.copy_bytes_per_s
-    print(f"copy {copy / 1e9:.0f} GB/s", flush=True)
     for name, shape in SHAPES.items():
         bench_shape(name, *shape, copy)
 
@@ -75,10 +68,9 @@ def bench_shape(name, e, k, h, i, copy):
     gu_bytes, down_bytes = k * 2 * i * h * 2, k * h * i * 2
     x_rows = jnp.broadcast_to(x, (k, h))
     h_rows = jax.random.normal(kg[3], (k, i), jnp.bfloat16)
-    cases = (("gate_up+swiglu", lambda j: (x_rows, w_gate_up, groups[j % 64]), gu_bytes),
-             ("down", lambda j: (h_rows, w_down, groups[j % 64]), down_bytes),
-             ("both", lambda j: (x_rows, w_gate_up, w_down, groups[j % 64]),
-              gu_bytes + down_bytes))
+    cases = (("gate_up+swiglu", [(x_rows, w_gate_up, g) for g in groups], gu_bytes),
+             ("down", [(h_rows, w_down, g) for g in groups], down_bytes),
+             ("both", [(x_rows, w_gate_up, w_down, g) for g in groups], gu_bytes + down_bytes))
     ref = pair(gathered_reduce)(x_rows.astype(jnp.float32), w_gate_up, w_down, groups[0])
     for label, form in (("mosaic", mosaic), ("xla gather-reduce", gathered_reduce)):
         fns = (jax.jit(lambda xr, w, g, form=form: form(xr, w, g, True)),
@@ -86,10 +78,11 @@ def bench_shape(name, e, k, h, i, copy):
                jax.jit(pair(form)))
         got = fns[2](x_rows, w_gate_up, w_down, groups[0]).astype(jnp.float32)
         err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-        for fn, (what, args, nbytes) in zip(fns, cases, strict=True):
-            for j in range(3):
-                jax.block_until_ready(fn(*args(j)))
-            us, kernels = timed(fn, args)
+        for fn, (what, arg_sets, nbytes) in zip(fns, cases, strict=True):
+            # each measured call on other random experts: 40 of the 64 expert draws
+            seconds, per_kernel = kernel_times(fn, arg_sets, iters=40, warmup=3)
+            us = seconds * 1e6
+            kernels = {n[:28]: round(t * 1e6, 2) for n, t in per_kernel}
             gbps = nbytes / us / 1e3
             print(f"{name:8s} {label:18s} {what:15s} {us:8.2f} us {gbps:6.0f} GB/s = "
                   f"{gbps * 1e9 / copy:6.1%} of copy  rel.err {err:.1e}  {kernels}",

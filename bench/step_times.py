@@ -1,6 +1,8 @@
 """Host wall time of each engine step of `jaxinfer bench latency`'s workload (one prompt of
 --input-len random ids, --output-len greedy tokens, the CLI's engine settings), printed step
 by step for the second, compiled run: where a decode's per-token time goes between steps.
+`--ceilings-first` measures the device ceilings in this process first, as `jaxinfer bench`
+would if it did not measure them in a child process: CUPTI slows every later launch.
 
     python bench/step_times.py --preset llama3-8b --mesh tp=1 --decode-steps 8
 """
@@ -13,9 +15,14 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.benchmarks.harness import measure_ceilings
+from jaxinfer.loading.presets import preset_config, random_model
+from jaxinfer.sharding import MeshSpec
+
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--mesh", default=None)
     ap.add_argument("--input-len", type=int, default=512)
@@ -26,13 +33,7 @@ def main():
     ap.add_argument("--ceilings-first", action="store_true",
                     help="measure the device ceilings in this process first (CUPTI-timed)")
     args = ap.parse_args()
-    from jaxinfer import LLM, SamplingParams
-    from jaxinfer.loading.presets import preset_config, random_model
-    from jaxinfer.sharding import MeshSpec
-
     if args.ceilings_first:
-        from jaxinfer.benchmarks.harness import measure_ceilings
-
         measure_ceilings()
     config = preset_config(args.preset)
     mesh = MeshSpec.parse(args.mesh).meshes()[0]

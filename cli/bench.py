@@ -1,5 +1,6 @@
 """`jaxinfer bench kernels | latency | throughput | serve`: thin commands over
-`jaxinfer.benchmarks`.
+`jaxinfer.benchmarks` (harness: timing and ceilings; kernels; end_to_end: latency and
+throughput; serve_load: the HTTP load generator).
 
 Each prints a roofline table (ceilings measured in the same run) and can write the
 result as JSON (`--json`) and append a row to a results file (`--record bench/RESULTS.md`).
@@ -11,9 +12,28 @@ import contextlib
 import datetime
 import json
 import shlex
+import socket
+import subprocess
 import sys
+import time
 
 import click
+import jax
+
+from jaxinfer import LLM
+from jaxinfer.benchmarks.end_to_end import bench_latency, bench_throughput
+from jaxinfer.benchmarks.harness import (
+    Ceilings,
+    ceilings_in_child_process,
+    format_rows,
+    measure_ceilings,
+    roofline,
+)
+from jaxinfer.benchmarks.kernels import bench_kernels
+from jaxinfer.cli.parallel import random_or_path
+from jaxinfer.errors import JaxinferError
+from jaxinfer.loading.weights import StepReads
+from jaxinfer.ops.quant import parse_format
 
 
 @click.group()
@@ -55,9 +75,6 @@ def _model_options(fn):
 
 def _check_model_args(model_path, preset, quantize):
     """The model options' own errors, before anything is measured or loaded."""
-    from jaxinfer.errors import JaxinferError
-    from jaxinfer.ops.quant import parse_format
-
     if preset and model_path:
         raise JaxinferError("give --model or --preset, not both")
     if quantize and not preset:
@@ -69,9 +86,6 @@ def _check_model_args(model_path, preset, quantize):
 
 def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
           decode_steps, page_size, mesh=None, quantize=None):
-    from jaxinfer import LLM
-    from jaxinfer.cli.parallel import random_or_path
-
     _check_model_args(model_path, preset, quantize)
     model = random_or_path(model_path, preset, dtype, mesh, quantize)
     return LLM(model, dtype=None if preset else dtype,
@@ -82,10 +96,6 @@ def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_
 
 def _report(kind, ceilings, rows, headline, result, json_path, record):
     """Prints the ceilings, the headline and the roofline rows; writes JSON / a results row."""
-    import jax
-
-    from jaxinfer.benchmarks.harness import format_rows
-
     device = jax.devices()[0].device_kind
     command = "jaxinfer " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     table = "\n\n".join(x for x in (ceilings.line(), headline, rows and format_rows(rows)) if x)
@@ -103,8 +113,6 @@ def _report(kind, ceilings, rows, headline, result, json_path, record):
 
 
 def _profiled(profile_dir):
-    import jax
-
     return jax.profiler.trace(profile_dir) if profile_dir else contextlib.nullcontext()
 
 
@@ -118,8 +126,6 @@ def _profiled(profile_dir):
 @click.option("--plot", default=None, help="Draw the roofline to this PNG (needs matplotlib).")
 def kernels(backend, small, json_path, record, profile, plot):
     """Attention and linear kernels against the device ceilings measured in the same run."""
-    from jaxinfer.benchmarks.harness import bench_kernels, measure_ceilings
-
     with _profiled(profile):
         ceilings = measure_ceilings()
         rows = bench_kernels(ceilings, backend, small=small)
@@ -139,17 +145,16 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_
             decode_steps, page_size, json_path, record, profile, mesh, batch, input_len,
             output_len, repeats):
     """Time to first token and per-token decode time."""
-    from jaxinfer.benchmarks.harness import bench_latency
-
     _check_model_args(model_path, preset, quantize)
-    ceilings = _ceilings_in_subprocess()
+    ceilings = ceilings_in_child_process()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, page_size, mesh, quantize)
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings, repeats=repeats)
     headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
                 f"{r['tokens_per_s']:.1f} tokens/s (batch {batch}, in {input_len}, "
-                f"out {output_len}, weights {r['weight_bytes'] / 1e9:.2f} GB)")
+                f"out {output_len}, weights {r['weight_bytes'] / 1e9:.2f} GB, "
+                f"{r['step_weight_bytes'] / 1e9:.2f} GB read per step)")
     _report("latency", ceilings, rows, headline, r, json_path, record)
 
 
@@ -162,10 +167,8 @@ def throughput(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs,
                max_num_batched_tokens, decode_steps, page_size, json_path, record, profile,
                mesh, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
-    from jaxinfer.benchmarks.harness import bench_throughput
-
     _check_model_args(model_path, preset, quantize)
-    ceilings = _ceilings_in_subprocess()
+    ceilings = ceilings_in_child_process()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, page_size, mesh, quantize)
     with _profiled(profile):
@@ -180,9 +183,7 @@ def throughput(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs,
 
 
 def _plot(rows, ceilings, path):
-    from jaxinfer.errors import JaxinferError
-
-    try:
+    try:  # matplotlib: optional, for --plot only
         import matplotlib
 
         matplotlib.use("Agg")
@@ -240,20 +241,18 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
           concurrency, input_len, output_len, range_ratio, warmup_passes, seed, json_path,
           record):
     """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles."""
-    from jaxinfer.benchmarks.harness import Ceilings
+    # The load generator needs httpx, of the optional `serve` extra.
     from jaxinfer.benchmarks.serve_load import (
         decode_roofline,
         format_summary,
         random_prompts,
         run_load,
     )
-    from jaxinfer.errors import JaxinferError
-
     server, ceilings = None, None
     if url is None:
         if bool(preset) == bool(model_path):
             raise JaxinferError("give --url, or one of --model / --preset to start a server")
-        ceilings = _ceilings_in_subprocess()  # before the server takes the device's memory
+        ceilings = ceilings_in_child_process()  # before the server takes the device's memory
         args = ["--dtype", dtype, "--kv-cache-gb", str(kv_cache_gb), "--max-num-seqs",
                 str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
                 "--decode-steps", str(decode_steps), "--page-size", str(page_size)]
@@ -282,47 +281,24 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
             server.wait(timeout=60)
     rows = []
     if ceilings is not None:
-        from jaxinfer.benchmarks.harness import roofline
-
-        summary.update(decode_roofline(summary, info["weight_bytes"],
-                                       info["kv_bytes_per_token"], ceilings.copy_bytes_per_s))
+        reads = StepReads.from_info(info)
+        summary.update(decode_roofline(summary, reads, info["kv_bytes_per_token"],
+                                       ceilings.copy_bytes_per_s))
         # The mean decode step, as if every step gave each of the concurrent requests a token.
         c = concurrency
         ctx = summary["mean_input_len"] + output_len / 2
         rows.append(roofline(f"decode step, {c} concurrent (ctx ~{ctx:.0f})",
                              c / summary["output_tokens_per_s"],
-                             info["weight_bytes"] + c * ctx * info["kv_bytes_per_token"],
-                             2 * info["weight_count"] * c, ceilings))
+                             reads.step_bytes(c) + c * ctx * info["kv_bytes_per_token"],
+                             2 * info["active_weight_count"] * c, ceilings))
     _report("serve", ceilings or Ceilings(float("nan"), float("nan")), rows,
             format_summary(summary), summary, json_path, record)
-
-
-def _ceilings_in_subprocess():
-    """The device ceilings, measured by a child process on the same device. Not in this
-    process: on the GPU they are timed with CUPTI (jax's Mosaic profiler), which leaves a
-    per-launch cost behind in the process that used it (Llama-8B batch-1 decode: 5.42 ms per
-    token after it, 5.29 without, in one lease; `bench/step_times.py`, bench/NOTES.md)."""
-    import subprocess
-
-    from jaxinfer.benchmarks.harness import Ceilings
-
-    code = ("import json; from jaxinfer.benchmarks.harness import measure_ceilings; "
-            "print(json.dumps(vars(measure_ceilings())))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    return Ceilings(**json.loads(out.strip().splitlines()[-1]))
 
 
 def _start_server(args: list[str]):
     """Starts `jaxinfer serve` on a free loopback port; returns (process, url) once /health
     answers. The server's output goes to stderr."""
-    import socket
-    import subprocess
-    import time
-
-    import httpx
-
-    from jaxinfer.errors import JaxinferError
+    import httpx  # the optional `serve` extra
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

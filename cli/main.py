@@ -1,4 +1,4 @@
-"""`jaxinfer generate | convert`: thin click commands over the library.
+"""`jaxinfer generate | convert | serve | bench | plan`: thin click commands over the library.
 
 Every user-facing failure is a JaxinferError, printed as one line
 (`error: ...`) with exit status 1; no traceback reaches the user.
@@ -15,7 +15,10 @@ from jaxinfer.cli.bench import bench as _bench_group
 from jaxinfer.cli.parallel import join_job, parallel_options
 from jaxinfer.cli.plan import plan as _plan_command
 from jaxinfer.cli.serve import serve as _serve_command
+from jaxinfer.engine.request import SamplingParams
 from jaxinfer.errors import JaxinferError
+from jaxinfer.llm import LLM
+from jaxinfer.loading.checkpoint import convert as convert_checkpoint
 
 
 def _user_errors(fn):
@@ -63,8 +66,6 @@ def cli():
 def generate(model_path, prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, dtype,
              mesh, coordinator, num_processes, process_id):
     """Generate text for one prompt, streamed to the terminal."""
-    from jaxinfer import LLM, SamplingParams
-
     leader = join_job(coordinator, num_processes, process_id)
     llm = LLM(model_path, dtype=dtype, mesh=mesh)
     if not leader:  # runs process 0's steps, prints nothing
@@ -100,8 +101,6 @@ def generate(model_path, prompt, max_new_tokens, temperature, top_p, top_k, seed
                    "GGUF keeps its Q4_0 / Q4_1 / Q8_0 projections as they are.")
 def convert(src, out, dtype, quantize):
     """Convert an HF model directory or a .gguf file to a jaxinfer (Orbax) checkpoint."""
-    from jaxinfer.loading.checkpoint import convert as convert_checkpoint
-
     path = convert_checkpoint(src, out, dtype=dtype, quantize=quantize)
     click.echo(f"wrote {path}")
 

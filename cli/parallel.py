@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import click
+import jax.numpy as jnp
+
+from jaxinfer.engine import multihost
+from jaxinfer.loading.presets import preset_config, random_model
+from jaxinfer.sharding import MeshSpec
 
 
 def parallel_options(fn):
@@ -28,8 +33,6 @@ def parallel_options(fn):
 
 def join_job(coordinator, num_processes, process_id) -> bool:
     """Joins the multi-process job if one is given; True on process 0 (or alone)."""
-    from jaxinfer.engine import multihost
-
     multihost.initialize(coordinator, num_processes, process_id)
     return multihost.is_leader()
 
@@ -39,10 +42,5 @@ def random_or_path(model_path, preset, dtype, mesh, quantize=None):
     quantized to `quantize` if given); else the path."""
     if not preset:
         return model_path
-    import jax.numpy as jnp
-
-    from jaxinfer.loading.presets import preset_config, random_model
-    from jaxinfer.sharding import MeshSpec
-
     return random_model(preset_config(preset), jnp.dtype(dtype or "bfloat16"),
                         mesh=MeshSpec.parse(mesh).meshes()[0], quantize=quantize)

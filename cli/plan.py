@@ -8,6 +8,9 @@ import json
 
 import click
 
+from jaxinfer.loading.plan import GiB, model_tensors, plan_memory
+from jaxinfer.sharding import MeshSpec
+
 
 @click.command()
 @click.option("--model", required=True, metavar="NAME|PATH",
@@ -40,8 +43,6 @@ import click
 def plan(model, mesh, hbm_gb, context, page_size, dtype, quantize, memory_fraction, reserve_gb,
          max_num_seqs, max_num_batched_tokens, json_path):
     """Weight bytes per device, KV pages that fit and concurrent sequences at a context."""
-    from jaxinfer.loading.plan import GiB, model_tensors, plan_memory
-    from jaxinfer.sharding import MeshSpec
 
     spec = MeshSpec.parse(mesh)  # a bad spec fails before the model is read
     config, tensors = model_tensors(model, dtype, quantize)

@@ -11,6 +11,7 @@ import click
 
 from jaxinfer.cli.parallel import join_job, parallel_options, random_or_path
 from jaxinfer.errors import JaxinferError
+from jaxinfer.llm import LLM
 
 
 def _seconds_since_process_start() -> float | None:
@@ -75,7 +76,6 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
     except ImportError as e:
         raise JaxinferError(f"jaxinfer serve needs the 'serve' extra (pip install "
                             f"'jaxinfer[serve]'): {e}") from None
-    from jaxinfer import LLM
 
     if model_path and preset:
         raise JaxinferError("--model and --preset: give one, not both")

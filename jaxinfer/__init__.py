@@ -5,7 +5,7 @@
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
 """
 
-from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.request import SamplingParams
 from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM, RequestOutput
 

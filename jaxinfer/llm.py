@@ -10,11 +10,13 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.engine.engine import Engine, ReplicatedEngine, Request
-from jaxinfer.engine.runner import ModelRunner, SeqChunk, bucket
-from jaxinfer.engine.sampling import SamplingParams, TokenLogprob
+from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine
+from jaxinfer.engine.request import Request, SamplingParams, TokenLogprob
+from jaxinfer.engine.runner import ModelRunner, bucket
+from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.checkpoint import is_converted, load_model, open_source, shard_model
+from jaxinfer.loading.default_model import cache_dir, default_model_path
 from jaxinfer.loading.tokenizer import Tokenizer
 from jaxinfer.models import Decoder
 from jaxinfer.sharding import MeshSpec
@@ -39,8 +41,6 @@ def enable_compilation_cache():
     setting = os.environ.get("JAXINFER_COMPILATION_CACHE", "")
     if setting == "0" or jax.config.jax_compilation_cache_dir:
         return
-    from jaxinfer.loading.default_model import cache_dir
-
     jax.config.update("jax_compilation_cache_dir", setting or str(cache_dir() / "xla"))
 
 
@@ -51,6 +51,8 @@ class LLM:
     model's context, capped by what the cache holds; decode_steps > 1 runs that many
     decode steps per host round trip when every running request is decoding.
     """
+
+    engine: EngineInterface  # an Engine, or a ReplicatedEngine for dp replicas
 
     def __init__(self, model: str | Path | Decoder | None = None, *, dtype: str | None = None,
                  page_size: int = 16, kv_cache_bytes: int = 1 << 30,
@@ -71,7 +73,6 @@ class LLM:
             self.model = shard_model(model, meshes[0])
         else:
             if model is None:
-                from jaxinfer.loading.default_model import default_model_path
                 model = default_model_path()
             self.path = Path(model)
             if is_converted(self.path):
@@ -93,7 +94,7 @@ class LLM:
         num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)
-        # dp replicas: copies of replica 0's weights, made before its runner fuses them.
+        # dp replicas: copies of replica 0's weights, each on its own mesh.
         models = [self.model] + [shard_model(self.model, m) for m in meshes[1:]]
         engines = []
         for model_i, replica_mesh in zip(models, meshes, strict=True):
@@ -122,21 +123,20 @@ class LLM:
                 for s in seq_buckets for p in page_buckets]
         token_buckets = sorted({bucket(n, 16) for n in range(1, e.max_num_batched_tokens + 1)})
         plan += [([t], 0, 1) for t in token_buckets]
-        runners = [e.runner for e in getattr(e, "engines", [e])]
         for lengths, context, steps in tqdm(plan, desc="warm-up: compiling", unit="shape",
                                             disable=not progress):
             context = max(context, 0)
             pages = [r.scratch_page] * -(-(context + max(max(lengths), steps)) // r.page_size)
             chunks = [SeqChunk(new_tokens=[0] * n, num_cached=context, pages=pages,
                                remaining=steps) for n in lengths]
-            for runner in runners:
+            for runner in e.runners:
                 runner.step(chunks, steps)
         return time.perf_counter() - start
 
     @property
     def runner(self) -> ModelRunner:
         """The (first replica's) model runner."""
-        return self.engine.runner
+        return self.engine.runners[0]
 
     def follow(self) -> list:
         """Processes other than 0 of a multi-host job: run the steps process 0 broadcasts
@@ -197,22 +197,7 @@ class LLM:
 
     def logits(self, prompts: list[list[int]]) -> list:
         """float32 logits [len(prompt), vocab] for every position of each prompt (one prefill)."""
-        page_size = self.runner.page_size
-        engine = getattr(self.engine, "engines", [self.engine])[0]  # the runner's engine
-        chunks = []
-        try:
-            for ids in prompts:
-                if len(ids) > self.max_model_len:
-                    raise JaxinferError(f"prompt has {len(ids)} tokens; max_model_len is "
-                                        f"{self.max_model_len}")
-                pages = engine.allocator.allocate(-(-len(ids) // page_size))
-                if pages is None:
-                    raise JaxinferError("the KV cache is too small for these prompts")
-                chunks.append(SeqChunk(new_tokens=list(ids), num_cached=0, pages=pages))
-            return self.runner.logits(chunks)
-        finally:
-            for c in chunks:
-                engine.allocator.release(c.pages)
+        return self.engine.logits(prompts)
 
     def _output(self, prompt, req: Request) -> RequestOutput:
         return RequestOutput(prompt, req.text, list(req.output_ids), req.finish_reason,

@@ -19,6 +19,14 @@ Projections and kernels (attention, quantized and grouped matmuls, which are cus
 XLA could not split anyway) run per device on their shards through `shard_map_logical`,
 with explicit collectives (`reduce_over`); XLA partitions the rest (norms, sampling) from
 the parameters' shardings.
+
+The tp layout. Weights placed for tp are laid out for it: k/v rows repeated when tp exceeds
+the KV heads, and rows that join several projections (an expert stack's gate | up, a
+model's joined q/k/v and gate/up) interleaved per shard (`join_per_shard`), so each device
+holds its slice of every part. Checkpoints hold the tp = 1 layout; `ParamPlacer` lays out
+each checkpoint tensor, `jaxinfer.models.inference_form` joins the projections on the
+devices. A placed model is therefore laid out for the tp of the mesh its parameters are on
+(`layout_tp`), which is recorded nowhere else.
 """
 
 from __future__ import annotations
@@ -214,21 +222,20 @@ _GATE_UP = re.compile(r"layers\.\d+\.mlp\.experts\.gate_up_proj\."
 class ParamPlacer:
     """Where each checkpoint tensor of a model goes on a mesh, and the layout changes tp needs.
 
-    `param_axes` maps a checkpoint key to its logical axes (from the model's `axes` metadata).
-    `place(key, array)` takes the tensor as stored (numpy on the host, or a jax array) and
-    returns it on the mesh, each device holding only its shard:
+    `param_axes` (from `jaxinfer.sharding.param_axes`) maps each checkpoint key to its
+    logical axes. `place(key, array)` takes the tensor as stored (numpy on the host, or a jax
+    array laid out for tp = 1) and returns it on the mesh laid out for its tp, each device
+    holding only its shard:
       * k/v projections are repeated per KV head when tp > num_kv_heads;
       * an expert stack's fused gate_up rows [gate | up] are regrouped so that each tp shard
         holds [its gate columns | its up columns] (the activation splits the halves locally).
     """
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, param_axes: dict[str, P],
-                 relayout: bool = True):
-        """relayout=False: the tensors have the tp layout already (a copy of a placed model)."""
+    def __init__(self, config: ModelConfig, mesh: Mesh, param_axes: dict[str, P]):
         self.config, self.mesh, self.param_axes = config, mesh, param_axes
         self.tp = mesh_axis_size(mesh, "tp")
-        self.kv_repeat = max(self.tp // config.num_kv_heads, 1) if relayout else 1
-        self.regroup = self.tp > 1 and relayout
+        self.kv_repeat = max(self.tp // config.num_kv_heads, 1)
+        self.regroup = self.tp > 1
         self.model_config = sharded_config(config, self.tp)  # what the placed model runs
 
     def axes(self, key: str) -> P:
@@ -305,6 +312,12 @@ def _relayout_array(a, how: str, factor: int, out_axis: int, kv_heads: int, xp):
     return xp.moveaxis(a, 0, out_axis)
 
 
+def layout_tp(array: jax.Array) -> int:
+    """The tp a placed parameter is laid out for: that of the mesh it is on (1 off a mesh)."""
+    sharding = array.sharding
+    return mesh_axis_size(sharding.mesh, "tp") if isinstance(sharding, NamedSharding) else 1
+
+
 def join_per_shard(arrays, axis: int, shards: int, xp=np):
     """arrays joined along `axis` shard by shard: each is cut in `shards` equal pieces and
     the result is [a_0 b_0 ... | a_1 b_1 ... | ...], so that shard i of the result (split
@@ -313,6 +326,15 @@ def join_per_shard(arrays, axis: int, shards: int, xp=np):
     pieces = [p.reshape(shards, -1, *p.shape[1:]) for p in pieces]
     out = xp.concatenate(pieces, axis=1)
     return xp.moveaxis(out.reshape(-1, *out.shape[2:]), 0, axis)
+
+
+def split_per_shard(array, sizes: tuple[int, ...], axis: int, shards: int, xp=jnp):
+    """The arrays `join_per_shard` joined into `array`, of sizes `sizes` along `axis` (each
+    a multiple of `shards`). numpy or jax, by xp."""
+    a = xp.moveaxis(array, axis, 0)
+    a = a.reshape(shards, -1, *a.shape[1:])
+    ends = np.cumsum([s // shards for s in sizes])[:-1]
+    return [xp.moveaxis(p.reshape(-1, *p.shape[2:]), 0, axis) for p in xp.split(a, ends, 1)]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -328,18 +350,12 @@ def _relayout_on_device(a, how, factor, out_axis, kv_heads, sharding):
     return jax.lax.with_sharding_constraint(out, sharding)
 
 
-def param_axes(model) -> dict[str, P]:
-    """Checkpoint key -> logical axes, for every parameter of a (possibly abstract) model;
-    quantized parts (`weight_scale`, `weight_offset` [..., K // g, N]) included whether or not
-    the model holds them yet."""
-    from flax import nnx
-
+def param_axes(axes_by_key: dict[str, P]) -> dict[str, P]:
+    """Checkpoint key -> logical axes of every tensor a checkpoint may hold: those given (a
+    model's float parameters, `jaxinfer.models.inference_form.checkpoint_layout`) and the
+    quantized parts of each matrix (`weight_scale`, `weight_offset` [..., K // g, N])."""
     out = {}
-    for path, var in nnx.state(model, nnx.Param).flat_state():
-        key = ".".join(str(p) for p in path)
-        axes = var.get_metadata().get("axes")
-        if axes is None:
-            raise ValueError(f"parameter {key} names no logical axes")
+    for key, axes in axes_by_key.items():
         out[key] = axes
         if key.endswith(".weight") and len(axes) >= 2:
             *stack, n, k = axes

@@ -15,14 +15,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import MLP, Attention, RMSNorm, rope_inv_freq
+from jaxinfer.models.layers import MLP, Attention, RMSNorm
 from jaxinfer.models.moe import MoE
-from jaxinfer.ops.attention import AttentionMetadata, rope_tables
-from jaxinfer.ops.linear import linear
+from jaxinfer.ops.attention import AttentionMetadata
+from jaxinfer.ops.linear_registry import linear
+from jaxinfer.ops.rope import rope_inv_freq, rope_tables
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 
 class DecoderLayer(nnx.Module):
+    """x + attn(input_norm(x)), then + mlp(post_attn_norm(x)). A norm is an `RMSNorm` or, in
+    front of float projections, a `FoldedRMSNorm` (its scale in their weights) that hands
+    them x and 1 / rms(x) instead (`projection_input`); an MoE block's norm stays plain
+    (its experts read the normalised input) and its router may hold the scale."""
+
     def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.attn = Attention(config, layer=layer, dtype=dtype, rngs=rngs)
@@ -30,20 +36,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(config, dtype=dtype, rngs=rngs) if config.is_moe_layer(layer)
                     else MLP(config, dtype=dtype, rngs=rngs))
 
-    def fold_norms(self):
-        """Folds the norms into the float projections they feed (`RMSNorm.fold_into`): the
-        input norm into q/k/v, the post-attention norm into a dense MLP's gate/up, or into
-        an MoE block's router (`MoE.fold_norm_into_router`; its experts still read the
-        normalised input)."""
-        self.input_norm.fold_into(self.attn.projections())
-        if isinstance(self.mlp, MLP):
-            self.post_attn_norm.fold_into(self.mlp.projections())
-        else:
-            self.mlp.fold_norm_into_router(self.post_attn_norm)
-
     def __call__(self, x, rope, kv_pages, md):
         """x [T, hidden], rope: RoPE's (cos, sin) tables for the step's tokens."""
-        x_in, row_scale = self.input_norm.prepare(x)
+        x_in, row_scale = self.input_norm.projection_input(x)
         h, kv_pages = self.attn(x_in, rope, kv_pages, md, row_scale)
         x = x + h
         if isinstance(self.mlp, MoE):  # padding tokens must not route to experts
@@ -52,7 +47,7 @@ class DecoderLayer(nnx.Module):
             x_in = self.post_attn_norm.scaled(x, inv_rms)
             x = x + self.mlp(x_in, live, raw=(x, inv_rms))
         else:
-            x_in, row_scale = self.post_attn_norm.prepare(x)
+            x_in, row_scale = self.post_attn_norm.projection_input(x)
             x = x + self.mlp(x_in, row_scale)
         return x, kv_pages
 
@@ -82,12 +77,13 @@ class Embedding(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Checkpoint keys: embed.embedding, layers.{i}.*, final_norm.scale, lm_head (when untied)."""
+    """Checkpoint keys: embed.embedding, layers.{i}.*, final_norm.scale, lm_head (when untied).
+
+    Built here with random weights (joined projections, plain norms); a loaded model comes
+    from `jaxinfer.models.inference_form.inference_model`."""
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = config
-        self.tp_layout = 1  # the tp the weights are laid out for (jaxinfer.sharding)
-        self.projections_fused = False  # see fuse_projections
         self.embed = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
@@ -98,21 +94,6 @@ class Decoder(nnx.Module):
             self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
                 rngs.params(), (config.vocab_size, config.hidden_size), dtype),
                 axes=P("vocab", "embed"))
-
-    def fuse_projections(self):
-        """Joins each layer's q/k/v and gate/up weights into one projection each, in place
-        (fewer, larger GEMMs per decode step), and folds each layer's norms into them
-        (`DecoderLayer.fold_norms`). The runner calls it on the model it runs, once the
-        parameters are placed; checkpoints and `shard_model` take unfused models."""
-        self.projections_fused = True
-        for layer in self.layers:
-            layer.attn.fuse_projections()
-            mlp = layer.mlp
-            if isinstance(mlp, MoE):
-                mlp = mlp.shared_expert
-            if mlp is not None:
-                mlp.fuse_projections()
-            layer.fold_norms()
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: list,
                  md: AttentionMetadata):

@@ -1,17 +1,21 @@
-"""Shared decoder layers: RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP.
+"""Shared decoder layers: RMSNorm, GQA attention, SwiGLU MLP (RoPE: `jaxinfer.ops.rope`).
 
-Parameter names match the checkpoint keys written by `jaxinfer convert`
-(e.g. `layers.3.attn.q_proj.weight`); linear weights are (out, in). The q/k/v/o
-and gate/up/down projections may be quantized (`Linear.set_quantized`), adding
-`...weight_scale` and `...weight_offset` keys. The model runner joins q/k/v and
-gate/up into one projection each (`fuse_linears`) once the weights are placed, and
-folds the RMSNorm scales in front of them into their float weights (`RMSNorm.fold_into`).
+The classes define the model's one form, the one it runs in; linear weights are (out, in)
+and any projection may be quantized (`Linear.set_quantized`, parts `weight`,
+`weight_scale`, `weight_offset`):
+  * the projections that read one input are a `ProjectionGroup` (q/k/v: `qkv_proj`,
+    gate/up: `gate_up_proj`): one Linear over their rows joined per shard (one GEMM
+    where there were three or two), or one Linear each where their formats differ;
+  * the norm in front of float projections is a `FoldedRMSNorm`: its scale is multiplied
+    into their weights, and they scale their output rows by 1 / rms(x) instead.
+A checkpoint stores each projection and norm under its own key (`layers.3.attn.q_proj.weight`,
+`layers.3.input_norm.scale`); `jaxinfer.models.inference_form` builds this form from those
+keys once, when a model is loaded.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import re
 
 import jax
@@ -20,14 +24,11 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.ops.attention import (
-    KV_PAGES_AXES,
-    AttentionMetadata,
-    QKPrologue,
-    ragged_paged_attention,
-)
-from jaxinfer.ops.linear import linear
+from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata
+from jaxinfer.ops.attention_registry import ragged_paged_attention
+from jaxinfer.ops.linear_registry import linear
 from jaxinfer.ops.quant import QuantizedWeight
+from jaxinfer.ops.rope import QKPrologue
 from jaxinfer.sharding import (
     P,
     current_mesh,
@@ -97,6 +98,14 @@ class Linear(nnx.Module):
                               else nnx.Param(w.offsets, axes=P(*stack, k, n)))
         self.activations = w.activations
 
+    def fold_scale(self, scale):
+        """Multiplies scale [in] into the input columns of this float weight [out, in]: the
+        layer then computes on x what it computed on x * scale (`FoldedRMSNorm`). In
+        float32, rounded back to the weight's dtype and placed like it; in bf16 that rounds
+        W * scale where HF rounds the scaled activations: as accurate, not bit-identical."""
+        w = self.weight[...]
+        self.weight = nnx.Param(_scale_columns(w, scale, w.sharding), axes=self.axes)
+
     def quantized_weight(self) -> QuantizedWeight:
         offset = None if self.weight_offset is None else self.weight_offset[...]
         return QuantizedWeight(self.weight[...], self.weight_scale[...], offset, self.activations)
@@ -145,15 +154,15 @@ class Linear(nnx.Module):
         return shard_map_logical(local, tuple(axes), P(*lead, out_axis), *args)
 
 
-def fuse_linears(parts: list[Linear]) -> tuple[Linear, tuple[int, ...]] | None:
-    """One Linear computing every part's output side by side, in place of parts[0].
+def join_linears(parts: list[Linear]) -> Linear | None:
+    """One Linear computing every part's output side by side: parts[0], changed in place to
+    hold them all; None when the parts differ in format or layout (they then stay apart).
 
-    The parts (same input, same format: float or one quantized format, bias or not) are
-    joined along their out-features axis *per shard*: on a mesh that splits out-features in
-    n shards, the fused rows are [a_0 b_0 c_0 | a_1 b_1 c_1 | ...], so each device's slice
-    of the fused output holds its slices of every part (`split_columns` takes them apart
-    without communication). Returns (the fused Linear, each part's out-features), or None
-    when the parts differ in format or layout (they then stay separate).
+    The parts (same input, same format: float or one quantized format, bias or not, placed
+    alike) are joined along their out-features axis *per shard*: on a mesh that splits
+    out-features in n shards, the joined rows are [a_0 b_0 c_0 | a_1 b_1 c_1 | ...], so each
+    device's slice of the joined output holds its slices of every part (`split_columns`
+    takes them apart without communication); on one device that is [a | b | c].
 
     Why: fewer, larger GEMMs. Llama-8B batch-1 decode on an H200: gate_up as one GEMM took
     58.8 us where gate and up took 75 (bench/RESULTS.md, third session).
@@ -176,7 +185,6 @@ def fuse_linears(parts: list[Linear]) -> tuple[Linear, tuple[int, ...]] | None:
     if len({signature(lay) for lay in parts}) != 1 or len(first.axes) != 2:
         return None
     values = [tensors(lay)[0] for lay in parts]
-    sizes = tuple(int(v.shape[0]) for v in values)
     shards = {v.shape[0] // v.sharding.shard_shape(v.shape)[0] for v in values}
     if len(shards) != 1:
         return None
@@ -196,11 +204,11 @@ def fuse_linears(parts: list[Linear]) -> tuple[Linear, tuple[int, ...]] | None:
         bias = first.bias[...]
         first.bias = nnx.Param(join_per_shard_on_device(
             tuple(lay.bias[...] for lay in parts), 0, shards, bias.sharding), axes=P(axes[0]))
-    return first, sizes
+    return first
 
 
 def split_columns(y, sizes: tuple[int, ...], axis: str):
-    """y [..., sum(sizes)] from a fused Linear (`fuse_linears`) -> one array per part, each
+    """y [..., sum(sizes)] from a joined Linear (`join_linears`) -> one array per part, each
     [..., size], on a mesh split over the mesh axis of logical `axis` like y."""
     total = sum(sizes)
 
@@ -212,17 +220,56 @@ def split_columns(y, sizes: tuple[int, ...], axis: str):
     return shard_map_logical(local, (spec,), (spec,) * len(sizes), y)
 
 
-class RMSNorm(nnx.Module):
-    """HF's order of operations: normalise in f32, cast back, then scale.
+class ProjectionGroup(nnx.Module):
+    """The projections that read one input (q/k/v, gate/up), static: `names` (each one's
+    checkpoint name, e.g. "q_proj"), `sizes` (their out-features) and `out_axes` (the
+    logical axis of each one's out-features).
 
-    The runner folds a decoder layer's norms into the float projections they feed
-    (`fold_into`); the layer then asks `prepare` for the projections' input.
+    `linears` holds one Linear over all of them, their rows joined per shard
+    (`join_linears`), or, where their formats differ (a GGUF may keep q in Q4_0 and v in
+    Q8_0), one Linear per part in `names` order. Its caller has one path either way:
+    `__call__` gives each part's output, `joined` all of them side by side as the joined
+    Linear lays them out. A group built here (random weights) is joined.
     """
+
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, str]], *, bias: bool,
+                 dtype, rngs: nnx.Rngs, in_axis: str = "embed"):
+        """parts: name -> (out-features, logical out axis), in the order of the outputs."""
+        self.names = tuple(parts)
+        self.sizes = tuple(size for size, _ in parts.values())
+        self.out_axes = tuple(axis for _, axis in parts.values())
+        self.linears = nnx.List([Linear(in_features, sum(self.sizes),
+                                        axes=P(self.out_axes[0], in_axis), bias=bias,
+                                        dtype=dtype, rngs=rngs)])
+
+    def set_parts(self, parts: list[Linear]):
+        """Holds `parts` (one Linear per name, in order, weights placed): joined into one by
+        `join_linears` where it can, else as they are."""
+        joined = join_linears(parts)
+        self.linears = nnx.List([joined] if joined is not None else parts)
+
+    def __call__(self, x, row_scale=None) -> tuple[jax.Array, ...]:
+        """x [..., in] (and its `row_scale`, see `linear`) -> each part's output [..., size]."""
+        if len(self.linears) == 1:
+            return split_columns(self.linears[0](x, row_scale), self.sizes, self.out_axes[0])
+        return tuple(lay(x, row_scale) for lay in self.linears)
+
+    def joined(self, x, row_scale=None) -> jax.Array:
+        """x [..., in] -> [..., sum(sizes)]: the parts' outputs side by side per shard, as
+        one joined Linear gives them (separate parts are concatenated on each device)."""
+        if len(self.linears) == 1:
+            return self.linears[0](x, row_scale)
+        specs = tuple(P(*(None,) * (x.ndim - 1), axis) for axis in self.out_axes)
+        return shard_map_logical(lambda *ys: jnp.concatenate(ys, axis=-1), specs, specs[0],
+                                 *(lay(x, row_scale) for lay in self.linears))
+
+
+class RMSNorm(nnx.Module):
+    """HF's order of operations: normalise in f32, cast back, then scale [dim]."""
 
     def __init__(self, dim, *, eps, dtype, axes: P | None = None):
         self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=axes or P("embed"))
         self.eps = eps
-        self.folded = False  # static: the scale lives in the next projections' weights
 
     def inv_rms(self, x):
         """x [..., dim] -> 1 / rms(x) [..., 1] float32."""
@@ -230,40 +277,42 @@ class RMSNorm(nnx.Module):
         return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
 
     def __call__(self, x):
-        if self.folded:
-            raise ValueError("RMSNorm: its scale was folded into a projection; use prepare")
         return self.scaled(x, self.inv_rms(x))
 
     def scaled(self, x, inv_rms):
         """The norm of x given its `inv_rms(x)` (computed elsewhere, e.g. with other rows)."""
         return self.scale[...] * (x.astype(jnp.float32) * inv_rms).astype(x.dtype)
 
-    def prepare(self, x):
-        """(the input of the projections this norm feeds, their row_scale): (self(x), None),
-        or (x, 1 / rms(x)) once the scale is folded into their weights."""
-        return (x, self.inv_rms(x)) if self.folded else (self(x), None)
+    def projection_input(self, x):
+        """(the input of the projections this norm feeds, their row_scale): (norm(x), None)."""
+        return self(x), None
 
-    def fold_into(self, layers: list[Linear], keep_norm: bool = False) -> bool:
-        """Multiplies the scale into the input columns of every layer's weight, in place, so
-        that linear(x, W * scale, row_scale=1 / rms(x)) = linear(norm(x), W). Only when all
-        are float (a quantized weight keeps its values); the runner calls it once. Returns
-        whether it folded. keep_norm: the norm's own output is still read elsewhere (an
-        MoE block's experts), so the norm keeps its scale and stays callable.
 
-        Why: at batch 1 the normalised activations cost a kernel of their own before each
-        projection (a reduce, then a multiply); with the scale in the weight, XLA fuses the
-        multiply by 1 / rms into the kernels that already read the projection's output
-        (split-K sums, RoPE, SiLU) (bench/NOTES.md, serving engine v4). In bf16 this rounds
-        W * scale where HF rounds scale * normalised x: as accurate, not bit-identical.
-        """
-        if self.folded or any(lay.quantized or lay.weight[...].ndim != 2 for lay in layers):
-            return False
-        scale = self.scale[...]
-        for lay in layers:
-            w = lay.weight[...]
-            lay.weight = nnx.Param(_scale_columns(w, scale, w.sharding), axes=lay.axes)
-        self.folded = not keep_norm
-        return True
+class FoldedRMSNorm(RMSNorm):
+    """An RMSNorm whose scale is multiplied into the input columns of the float projections
+    it feeds (`Linear.fold_scale`): they read x itself and scale their output rows by
+    1 / rms(x), as linear(x, W * scale, row_scale=1 / rms(x)) = linear(norm(x), W). The
+    scale stays a parameter (a checkpoint key, counted by `jaxinfer plan`); the
+    projections do not read it.
+
+    Why: at batch 1 the normalised activations cost a kernel of their own before each
+    projection (a reduce, then a multiply); with the scale in the weight, XLA fuses the
+    multiply by 1 / rms into the kernels that already read the projection's output
+    (split-K sums, RoPE, SiLU) (bench/NOTES.md, serving engine v4).
+    """
+
+    @classmethod
+    def of(cls, norm: RMSNorm) -> FoldedRMSNorm:
+        """`norm` (its scale and eps) as a folded norm."""
+        scale = norm.scale
+        folded = nnx.eval_shape(lambda: cls(scale.shape[0], eps=norm.eps, dtype=scale.dtype,
+                                            axes=scale.get_metadata()["axes"]))
+        folded.scale = nnx.Param(scale[...], axes=scale.get_metadata()["axes"])
+        return folded
+
+    def projection_input(self, x):
+        """(x, its 1 / rms(x) [..., 1] float32 as the projections' row_scale)."""
+        return x, self.inv_rms(x)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -273,46 +322,6 @@ def _scale_columns(w, scale, sharding):
     return jax.lax.with_sharding_constraint(out, sharding)
 
 
-def rope_inv_freq(config: ModelConfig) -> tuple[jax.Array, float]:
-    """Inverse frequencies [head_dim // 2] and the attention scaling for the config's RoPE."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    scaling = dict(config.rope_scaling or {})
-    kind = scaling.get("rope_type", "default")
-    attention_factor = 1.0
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = jnp.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-        is_medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        inv_freq = jnp.where(is_medium, smoothed, inv_freq)
-    elif kind == "yarn":
-        factor = scaling["factor"]
-        old_ctx = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
-        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
-
-        def correction_dim(rotations):
-            return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (
-                2 * math.log(config.rope_theta))
-
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if scaling.get("truncate", True):  # gpt-oss keeps the fractional range
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low)
-                        / (high - low if high != low else 1e-3), 0, 1)
-        extrapolation = 1 - ramp
-        inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
-        attention_factor = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
-    return inv_freq, attention_factor
-
-
 class Attention(nnx.Module):
     """GQA attention over the paged KV cache; layer `layer` of the config (its window)."""
 
@@ -320,12 +329,10 @@ class Attention(nnx.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = Linear(c.hidden_size, q_size, axes=P("heads", "embed"), bias=c.qkv_bias,
-                             dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(c.hidden_size, kv_size, axes=P("kv_heads", "embed"),
-                             bias=c.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(c.hidden_size, kv_size, axes=P("kv_heads", "embed"),
-                             bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.qkv_proj = ProjectionGroup(
+            c.hidden_size, {"q_proj": (q_size, "heads"), "k_proj": (kv_size, "kv_heads"),
+                            "v_proj": (kv_size, "kv_heads")},
+            bias=c.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(q_size, c.hidden_size, axes=P("embed", "heads"), bias=c.o_bias,
                              dtype=dtype, rngs=rngs)
         if c.qk_norm:
@@ -338,24 +345,10 @@ class Attention(nnx.Module):
                       if c.attention_sinks else None)
         self.sliding_window = c.layer_window(layer)
         self.config = c
-        self.qkv_proj, self.qkv_sizes = nnx.data(None), None  # see fuse_projections
-
-    def fuse_projections(self):
-        """q/k/v as one projection (`fuse_linears`), in place; the runner calls it once."""
-        if self.qkv_proj is None and (fused := fuse_linears(
-                [self.q_proj, self.k_proj, self.v_proj])):
-            self.qkv_proj, self.qkv_sizes = fused
-            self.q_proj = self.k_proj = self.v_proj = None
-
-    def projections(self) -> list[Linear]:
-        """The layers that read the attention block's input: qkv, or q, k and v."""
-        if self.qkv_proj is not None:
-            return [self.qkv_proj]
-        return [self.q_proj, self.k_proj, self.v_proj]
 
     def __call__(self, x, rope, kv_pages, md: AttentionMetadata, row_scale=None):
-        """x [T, hidden] (and its `row_scale`, see RMSNorm.prepare), rope: RoPE's (cos, sin)
-        [T, head_dim] for the step's tokens (`rope_tables`) -> (out, kv_pages)."""
+        """x [T, hidden] (and its `row_scale`, see `RMSNorm.projection_input`), rope: RoPE's
+        (cos, sin) [T, head_dim] for the step's tokens (`rope_tables`) -> (out, kv_pages)."""
         T = x.shape[0]
         # q/k norms (qk_norm) and RoPE: applied by the attention call (`QKPrologue`), inside
         # the kernel at batch-1 decode on Hopper.
@@ -364,30 +357,20 @@ class Attention(nnx.Module):
         prologue = QKPrologue(*rope, **norms)
         attend = functools.partial(ragged_paged_attention, sm_scale=self.head_dim ** -0.5,
                                    sliding_window=self.sliding_window)
-        heads, kv_heads = P("batch", "heads", "head_dim"), P("batch", "kv_heads", "head_dim")
+        heads = P("batch", "heads", "head_dim")
         pages = KV_PAGES_AXES
         sinks = None if self.sinks is None else self.sinks[...]
-        if self.qkv_proj is not None:
-            # The fused projection goes to attention whole (each device's columns hold its
-            # q | k | v heads, `fuse_linears`): the one-token kernel reads it in place.
-            qkv = (self.qkv_proj(x, row_scale),)
-            qkv_specs = (P("batch", "heads"),)
-        else:
-            q, k, v = (self.q_proj(x, row_scale), self.k_proj(x, row_scale),
-                       self.v_proj(x, row_scale))
-            qkv = (q.reshape(T, self.num_heads, self.head_dim),
-                   k.reshape(T, self.num_kv_heads, self.head_dim),
-                   v.reshape(T, self.num_kv_heads, self.head_dim))
-            qkv_specs = (heads, kv_heads, kv_heads)
+        # q | k | v go to attention as one array (each device's columns hold its q, k and v
+        # heads, `join_linears`): the one-token kernel reads them from it in place.
+        qkv = self.qkv_proj.joined(x, row_scale)
 
-        def local(kp, vp, md, sinks, prologue, *qkv):
+        def local(kp, vp, md, sinks, prologue, qkv):
             """The kernel per device, on its heads (and the KV heads they read)."""
-            q, k, v = qkv if len(qkv) == 3 else (qkv[0], None, None)
-            return attend(q, k, v, kp, vp, md, sinks=sinks, prologue=prologue)
+            return attend(qkv, None, None, kp, vp, md, sinks=sinks, prologue=prologue)
 
         out, k_pages, v_pages = shard_map_logical(
-            local, (pages, pages, P(), P("heads"), P(), *qkv_specs), (heads, pages, pages),
-            *kv_pages, md, sinks, prologue, *qkv)
+            local, (pages, pages, P(), P("heads"), P(), P("batch", "heads")),
+            (heads, pages, pages), *kv_pages, md, sinks, prologue, qkv)
         return self.o_proj(out.reshape(T, -1)), (k_pages, v_pages)
 
 
@@ -398,33 +381,13 @@ class MLP(nnx.Module):
                  rngs: nnx.Rngs):
         c = config
         i = intermediate_size or c.intermediate_size
-        column, row = P("mlp", "embed"), P("embed", "mlp")
-        self.gate_proj = Linear(c.hidden_size, i, axes=column, bias=c.mlp_bias, dtype=dtype,
-                                rngs=rngs)
-        self.up_proj = Linear(c.hidden_size, i, axes=column, bias=c.mlp_bias, dtype=dtype,
-                              rngs=rngs)
-        self.down_proj = Linear(i, c.hidden_size, axes=row, bias=c.mlp_bias, dtype=dtype,
-                                rngs=rngs)
-        self.gate_up_proj, self.gate_up_sizes = nnx.data(None), None  # see fuse_projections
-
-    def fuse_projections(self):
-        """gate/up as one projection (`fuse_linears`), in place; the runner calls it once."""
-        if self.gate_up_proj is None and (fused := fuse_linears([self.gate_proj,
-                                                                  self.up_proj])):
-            self.gate_up_proj, self.gate_up_sizes = fused
-            self.gate_proj = self.up_proj = None
-
-    def projections(self) -> list[Linear]:
-        """The layers that read the MLP's input: gate_up, or gate and up."""
-        if self.gate_up_proj is not None:
-            return [self.gate_up_proj]
-        return [self.gate_proj, self.up_proj]
+        self.gate_up_proj = ProjectionGroup(
+            c.hidden_size, {"gate_proj": (i, "mlp"), "up_proj": (i, "mlp")},
+            bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(i, c.hidden_size, axes=P("embed", "mlp"), bias=c.mlp_bias,
+                                dtype=dtype, rngs=rngs)
 
     def __call__(self, x, row_scale=None):
-        """x [T, hidden] (and its `row_scale`, see RMSNorm.prepare) -> [T, hidden]."""
-        if self.gate_up_proj is not None:
-            gate, up = split_columns(self.gate_up_proj(x, row_scale), self.gate_up_sizes,
-                                     "mlp")
-        else:
-            gate, up = self.gate_proj(x, row_scale), self.up_proj(x, row_scale)
+        """x [T, hidden] (and its `row_scale`, see `RMSNorm.projection_input`) -> [T, hidden]."""
+        gate, up = self.gate_up_proj(x, row_scale)
         return self.down_proj(jax.nn.silu(gate) * up)

@@ -80,7 +80,7 @@ operand). Constraints (else `unsupported_reason`): float weights in x's dtype or
 quantized ones; x bf16 or f16; N and K multiples of 64. Quantized experts the kernel does
 not upcast itself (fp8, MXFP4, zero points, groups of 32: `upcasts_in_registers`) are
 dequantised into a float stack by XLA first, which suits prefill sizes; at decode sizes
-the dispatcher reduces their rows by row instead (`jaxinfer.ops.grouped_matmul`).
+the registry reduces their rows by row instead (`jaxinfer.ops.grouped_matmul_registry`).
 """
 
 from __future__ import annotations
@@ -634,8 +634,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic grouped matmul: {reason}")
     if isinstance(w, QuantizedWeight) and not upcasts_in_registers(w):
-        # Whole-stack dequantisation: a cost for prefill sizes; the dispatcher reduces
-        # decode rows of these formats by row instead (`jaxinfer.ops.grouped_matmul`).
+        # Whole-stack dequantisation: a cost for prefill sizes; the registry reduces decode
+        # rows of these formats by row instead (`jaxinfer.ops.grouped_matmul_registry`).
         w = dequantize(w, x.dtype)
     m, k = x.shape
     e, n, _ = w.shape

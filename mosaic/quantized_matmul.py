@@ -1,6 +1,6 @@
 """Weight-quantized matmul for Hopper, as a Mosaic GPU kernel (`plgpu.kernel`).
 
-Same contract as `jaxinfer.ops.quantized_matmul.quantized_matmul_reference` (the
+Same contract as `jaxinfer.ops.linear.quantized_matmul_reference` (the
 spec): x [M, K] bf16/f16, W a `QuantizedWeight` (values [N, K] int8 or int4,
 scales [K // g, N] f32, optional offsets) -> y [M, N] in x.dtype.
 
@@ -25,8 +25,8 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
   (split, consumer) writes float32 partial sums [64, tile_m]; XLA adds them up,
   transposes back to [M, N] and, for asymmetric formats, adds the offset term
   (x summed over each group) @ offsets, a [M, K/g] x [K/g, N] product.
-- Above MAX_KERNEL_M tokens `jaxinfer.ops.quantized_matmul` runs XLA instead (see
-  the constant's comment).
+- The kernel takes any M, in 16-token tiles; the linear registry sends steps of more
+  than 16 tokens to XLA (`jaxinfer.ops.linear_registry.MAX_KERNEL_M`).
 
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode
 (tests); there the upcast weight piece goes through shared memory, because
@@ -67,12 +67,8 @@ class Config:
 
 # Token tiles wider than 16 give wrong sums on the GPU at times (tile_m 32 failed one GPU
 # run of three, 64 every time; interpret mode is exact): an unexplained race, so tiles
-# stop at 16 (see bench/NOTES.md). Above MAX_KERNEL_M tokens the dispatcher runs the
-# reference, whose dot XLA fuses with the per-channel dequantisation (group-wise weights
-# it dequantises into a bf16 copy first): XLA was faster there anyway from 64 tokens
-# (measured, bench/RESULTS.md). The kernel itself still takes any M, in 16-token tiles.
+# stop at 16 (see bench/NOTES.md). The kernel still takes any M, in 16-token tiles.
 MAX_TILE_M = 16
-MAX_KERNEL_M = 16
 
 
 def piece_size(w: QuantizedWeight) -> int:

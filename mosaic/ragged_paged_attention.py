@@ -41,7 +41,7 @@ Algorithm (flash attention over pages):
   v_scale into the output.
 
 Named regions (`jax.named_scope`: wait_q, wait_k, qk, pv, wait_stores) mark the
-consumer's waits and wgmmas for the Mosaic GPU profiler (`bench/attention_profile.py`).
+consumer's waits and wgmmas for the Mosaic GPU profiler (`bench/attention_kernel_regions.py`).
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode
 (tests). Constraints: Hopper (sm_90a), head_dim a multiple of 64 up to 256,
 page_size a multiple of 8, G <= 64, q in bf16 or fp16.

@@ -1,5 +1,7 @@
-"""Portable Pallas kernels (TPU lowering, GPU lowering for pre-Hopper GPUs).
+"""Pallas kernels, one per file with its wrapper: the TPU kernels (`pltpu`; run on the CPU in
+TPU interpret mode for tests) and one GPU (Triton) lowering, the one-token ragged paged
+attention kernel, which runs on Hopper only.
 
-One kernel per file, each with its wrapper; the backend is picked in
-`jaxinfer.ops.attention` / `jaxinfer.ops.linear`.
+Kernels import only their op's contract (`jaxinfer.ops.<op>`); which kernel runs a call is
+decided by the op's registry (`jaxinfer.ops.<op>_registry`), nowhere here.
 """

@@ -74,17 +74,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxinfer.ops.linear import quantize_activations_fp8
 from jaxinfer.ops.platform import tpu_interpret_params
 from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
-from jaxinfer.ops.quantized_matmul import quantize_activations_fp8
-from jaxinfer.pallas_kernels.quantized_matmul import (  # the same N / K blocking rules
-    _block_k,
-    _block_n,
-    _on_tpu,
-    _round_up,
-    _sublanes,
+from jaxinfer.pallas_kernels.tpu_blocks import (  # the dense kernel's N / K blocking rules
     blocks_reason,
+    default_block_k,
+    default_block_n,
     dequant_dot,
+    round_up,
+    running_on_tpu,
+    sublanes,
 )
 
 ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -98,7 +98,7 @@ ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # amortizes the per-step overhead. In interpret mode (CPU tests): small blocks, so the
 # test shapes cross tile, N and K boundaries and steps stay cheap.
 TPU_BLOCK_M = {4: 64, 8: 128, 16: 256, 32: 256}  # weight bits -> bm cap
-INTERPRET_BLOCK_M = 64  # N / K blocks: as pallas_kernels/quantized_matmul.py
+INTERPRET_BLOCK_M = 64  # N / K blocks: pallas_kernels/tpu_blocks.py
 
 
 def _row_dtype(x: jax.Array, w) -> jnp.dtype:
@@ -124,11 +124,11 @@ def _weight_bits(w) -> int:
 def _block_m(m: int, dtype, block_m: int | None, weight_bits: int, on_tpu: bool) -> int:
     """block_m if given, else the fewest tiles of <= the default, split evenly (rounded
     to the sublane tile), which bounds the zero-row padding by one sublane tile per tile."""
-    tile = _sublanes(dtype)
+    tile = sublanes(dtype)
     if block_m:
-        return min(block_m, _round_up(m, tile))
+        return min(block_m, round_up(m, tile))
     cap = max(TPU_BLOCK_M.get(weight_bits, 256), tile) if on_tpu else INTERPRET_BLOCK_M
-    return _round_up(-(-m // -(-m // cap)), tile)
+    return round_up(-(-m // -(-m // cap)), tile)
 
 
 def _reason(x: jax.Array, w, bm: int | None, bn: int | None, bk: int | None) -> str | None:
@@ -149,18 +149,19 @@ def _reason(x: jax.Array, w, bm: int | None, bn: int | None, bk: int | None) -> 
             return "W8A8 needs fp8 weights with per-channel scales and no offsets"
     elif not jnp.issubdtype(w.dtype, jnp.floating):
         return f"float weights must have a floating dtype, got {jnp.dtype(w.dtype).name}"
-    if bm is not None and bm % _sublanes(_row_dtype(x, w)):
+    if bm is not None and bm % sublanes(_row_dtype(x, w)):
         return f"block_m={bm} is not a multiple of the sublane tile"
     return blocks_reason(n, k, g, bn, bk)
 
 
 def unsupported_reason(x: jax.Array, w) -> str | None:
     """Why the kernel (at its default blocks) cannot take these inputs, or None."""
-    on_tpu = _on_tpu()
+    on_tpu = running_on_tpu()
     if len(w.shape) != 3:
         return _reason(x, w, None, None, None)
     _, n, k = w.shape
-    return _reason(x, w, None, _block_n(n, on_tpu), _block_k(k, _group(w), on_tpu))
+    return _reason(x, w, None, default_block_n(n, on_tpu),
+                   default_block_k(k, _group(w), on_tpu))
 
 
 def work_list(group_sizes: jax.Array, tiles_m: int, bm: int):
@@ -273,16 +274,16 @@ def grouped_matmul_tpu(x: jax.Array, w, group_sizes: jax.Array, *, block_m: int 
     """x [M, K], w [E, N, K] (float or QuantizedWeight), group_sizes [E] -> [M, N] in x.dtype.
 
     Blocks default to MXU-sized ones on TPU and to small ones in interpret mode
-    (TPU_BLOCK_M; N / K blocks as in pallas_kernels/quantized_matmul.py); block_m is
+    (TPU_BLOCK_M; N / K blocks: pallas_kernels/tpu_blocks.py); block_m is
     capped at M rounded up to the sublane tile. `interpret`: None runs Mosaic on TPU and
     the TPU interpreter elsewhere; anything else is passed to `pl.pallas_call`. Raises
     ValueError for inputs the kernel cannot take (`unsupported_reason`).
     """
-    on_tpu = _on_tpu()
+    on_tpu = running_on_tpu()
     if len(w.shape) == 3:
         _, n, k = w.shape
-        bn = block_n or _block_n(n, on_tpu)
-        bk = block_k or _block_k(k, _group(w), on_tpu)
+        bn = block_n or default_block_n(n, on_tpu)
+        bk = block_k or default_block_k(k, _group(w), on_tpu)
     else:
         bn = bk = None
     reason = _reason(x, w, block_m, bn, bk)

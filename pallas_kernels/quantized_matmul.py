@@ -1,6 +1,6 @@
 """Weight-quantized matmul: Pallas kernel, TPU lowering (interpret mode elsewhere).
 
-Same contract as `jaxinfer.ops.quantized_matmul.quantized_matmul_reference` (the
+Same contract as `jaxinfer.ops.linear.quantized_matmul_reference` (the
 spec; weight layouts in `jaxinfer.ops.quant`):
   x  [M, K]  bfloat16 / float16 activations, any M >= 1
   w  QuantizedWeight of W [N, K]:
@@ -60,31 +60,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxinfer.ops.linear import quantize_activations_fp8
 from jaxinfer.ops.platform import tpu_interpret_params
 from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
-from jaxinfer.ops.quantized_matmul import dot_nt, quantize_activations_fp8
+from jaxinfer.pallas_kernels.tpu_blocks import (
+    INTERPRET_BLOCKS,
+    TPU_BLOCKS,
+    blocks_reason,
+    default_block_k,
+    default_block_n,
+    dequant_dot,
+    round_up,
+    running_on_tpu,
+    sublanes,
+)
 
 ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
-LANES = 128
-# Block defaults. On TPU: MXU-sized blocks, and bk large enough that one step's
-# weight DMA (bn * bk bytes) amortizes the per-step overhead. In interpret mode
-# (CPU tests): smaller N / K blocks, so the test shapes cross N and K block
-# boundaries and every grid step stays cheap.
-TPU_BLOCKS = dict(m=256, n=(512, 256, 128), k=(512, 256, 128))
-INTERPRET_BLOCKS = dict(m=128, n=(128,), k=(256, 128))
-
-
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
-
-
-def _on_tpu() -> bool:
-    return jax.default_backend() == "tpu"
-
-
-def _sublanes(dtype) -> int:
-    """Rows of one (sublane, lane) tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
 def _block_m(m: int, dtype, block_m: int | None, on_tpu: bool) -> int:
@@ -93,26 +84,11 @@ def _block_m(m: int, dtype, block_m: int | None, on_tpu: bool) -> int:
     Even splitting bounds the zero-row padding by one sublane tile per block
     (M = 300: 2 x 160 rows rather than 2 x 256).
     """
-    tile = _sublanes(dtype)
+    tile = sublanes(dtype)
     if block_m:
-        return min(block_m, _round_up(m, tile))
+        return min(block_m, round_up(m, tile))
     cap = (TPU_BLOCKS if on_tpu else INTERPRET_BLOCKS)["m"]
-    return _round_up(-(-m // -(-m // cap)), tile)
-
-
-def _block_n(n: int, on_tpu: bool) -> int | None:
-    choices = (TPU_BLOCKS if on_tpu else INTERPRET_BLOCKS)["n"]
-    return next((b for b in choices if n % b == 0), None)
-
-
-def _block_k(k: int, g: int, on_tpu: bool) -> int | None:
-    """The largest default block dividing K that holds whole groups, else a small K whole."""
-    choices = (TPU_BLOCKS if on_tpu else INTERPRET_BLOCKS)["k"]
-    if g < k:
-        choices = tuple(b for b in choices if b % g == 0) + (g,)
-    # A block equal to the full dim escapes the 128-lane rule (K = 96, say).
-    choices += (k,) if k <= max(choices) else ()
-    return next((b for b in choices if k % b == 0 and (b % LANES == 0 or b == k)), None)
+    return round_up(-(-m // -(-m // cap)), tile)
 
 
 def _reason(x: jax.Array, w: QuantizedWeight, bm: int | None, bn: int | None,
@@ -129,53 +105,17 @@ def _reason(x: jax.Array, w: QuantizedWeight, bm: int | None, bn: int | None,
         return f"activation mode {w.activations!r} (expected None or 'fp8')"
     if w.activations == "fp8" and (w.kind != "fp8" or g != k or w.offsets is not None):
         return "W8A8 needs fp8 weights with per-channel scales and no offsets"
-    if bm is not None and bm % _sublanes(FP8_DTYPE if w.activations else x.dtype):
+    if bm is not None and bm % sublanes(FP8_DTYPE if w.activations else x.dtype):
         return f"block_m={bm} is not a multiple of the sublane tile"
     return blocks_reason(n, k, g, bn, bk)
 
 
-def blocks_reason(n: int, k: int, g: int, bn: int | None, bk: int | None) -> str | None:
-    """Why blocks (bn, bk) cannot tile a weight [N, K] with groups of g along K, or None."""
-    if bn is None:
-        return f"N={n} is not a multiple of 128"
-    if n % bn or (bn % LANES and bn != n):
-        return f"block_n={bn} must divide N={n} and be a multiple of 128"
-    groups = f" and of the group size {g}" if g < k else ""
-    if bk is None:
-        return f"K={k} has no default block that divides it and is a multiple of 128{groups}"
-    if k % bk or (bk % LANES and bk != k) or (g < k and bk % g):
-        return f"block_k={bk} must divide K={k} and be a multiple of 128{groups}"
-    return None
-
-
 def unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
     """Why the kernel (at its default blocks) cannot take these inputs, or None."""
-    on_tpu = _on_tpu()
+    on_tpu = running_on_tpu()
     n, k = w.shape
-    return _reason(x, w, None, _block_n(n, on_tpu), _block_k(k, w.group_size, on_tpu))
-
-
-def dequant_dot(x, w, s_ref, o_ref, *, width: int, scale_per_step: bool, w8a8: bool,
-                dot=dot_nt) -> jax.Array:
-    """x [bm, bk] . W [bn, bk]^T -> float32 [bm, bn] for one K block of stored values w.
-
-    Per `width`-column unit (a quantization group, or the whole block): the dot of x with
-    the values (cast to x's dtype unless W8A8), times the unit's scale row s_ref[t] when
-    `scale_per_step`, plus x summed over the unit times its offset row o_ref[t] (o_ref
-    None: no offsets). Scales touch float32 partial products, never the weights.
-    """
-    if not w8a8:
-        w = w.astype(x.dtype)
-    partial = None
-    for t in range(x.shape[1] // width):
-        x_t = x[:, t * width:(t + 1) * width]
-        d = dot(x_t, w[:, t * width:(t + 1) * width])
-        if scale_per_step:
-            d = d * s_ref[t:t + 1, :]
-        if o_ref is not None:
-            d = d + jnp.sum(x_t.astype(jnp.float32), axis=1, keepdims=True) * o_ref[t:t + 1, :]
-        partial = d if partial is None else partial + d
-    return partial
+    return _reason(x, w, None, default_block_n(n, on_tpu),
+                   default_block_k(k, w.group_size, on_tpu))
 
 
 def _kernel(*refs, group: int, per_channel: bool, has_offsets: bool, w8a8: bool):
@@ -212,16 +152,16 @@ def quantized_matmul_tpu(x: jax.Array, w: QuantizedWeight, *, block_m: int | Non
     """x [M, K] @ W^T -> [M, N] in x.dtype (see the module docstring).
 
     Blocks default to MXU-sized ones on TPU and to small ones in interpret mode
-    (TPU_BLOCKS / INTERPRET_BLOCKS); block_m is capped at M rounded up to the
+    (`tpu_blocks.TPU_BLOCKS` / `INTERPRET_BLOCKS`); block_m is capped at M rounded up to the
     sublane tile. `interpret`: None runs Mosaic on TPU and the TPU interpreter
     elsewhere; anything else is passed to `pl.pallas_call`. Raises ValueError for
     inputs the kernel cannot take (`unsupported_reason`).
     """
-    on_tpu = _on_tpu()
+    on_tpu = running_on_tpu()
     n, k = w.shape
     g = w.group_size
-    bn = block_n or _block_n(n, on_tpu)
-    bk = block_k or _block_k(k, g, on_tpu)
+    bn = block_n or default_block_n(n, on_tpu)
+    bk = block_k or default_block_k(k, g, on_tpu)
     reason = _reason(x, w, block_m, bn, bk)
     if reason is not None:
         raise ValueError(f"quantized_matmul_tpu: {reason}")
@@ -231,7 +171,7 @@ def quantized_matmul_tpu(x: jax.Array, w: QuantizedWeight, *, block_m: int | Non
     w8a8 = w.activations == "fp8"
     per_channel = g == k
     bm = _block_m(m, FP8_DTYPE if w8a8 else x.dtype, block_m, on_tpu)
-    mp = _round_up(m, bm)
+    mp = round_up(m, bm)
     x_in = jnp.pad(x, ((0, mp - m), (0, 0)))  # zero rows: finite, sliced off below
 
     # Each K block's scale / offset rows as one whole [bk / g, N] slab (per channel:

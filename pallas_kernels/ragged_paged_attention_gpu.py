@@ -46,7 +46,7 @@ Algorithm (flash decoding over pages):
 Every token reads its own keys, so a prefill chunk of n tokens reads its pages n
 times: this kernel is for steps of few tokens (decode), where a program per
 (token, KV head, split) fills the GPU; the Mosaic GPU kernel takes the rest on Hopper
-(`jaxinfer.ops.attention` picks). fp8 pages are upcast to q.dtype in registers; k_scale
+(`jaxinfer.ops.attention_registry` picks). fp8 pages are upcast to q.dtype in registers; k_scale
 folds into the score scale and v_scale multiplies the output.
 """
 
@@ -64,12 +64,12 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxinfer.ops.attention import (
     FP8_KV_DTYPE,
     AttentionMetadata,
-    QKPrologue,
     quantize_kv,
     split_qkv,
     token_positions,
     zero_page_tails,
 )
+from jaxinfer.ops.rope import QKPrologue, inverse_rms, scale_normed
 
 MASKED = -1e30  # masked score (base-2 units): exp2(MASKED - m) == 0 for any real m
 LOG2E = math.log2(math.e)
@@ -220,16 +220,21 @@ def _swapped_d(x):
 
 def _prologue(x, x_swap, norm_ref, cos_ref, sin_ref, t, prologue: dict):
     """`QKPrologue.apply` on rows x [..., D] of token t (x_swap: the same rows with their
-    halves swapped), rounding to x.dtype where XLA's ops do: RMSNorm (if norm_ref), then
-    RoPE by token t's rows of the tables cos_ref / sin_ref [T, D]."""
+    halves swapped), rounding to x.dtype where XLA's ops do: RMSNorm (if norm_ref; the
+    contract's `inverse_rms` / `scale_normed`), then RoPE by token t's rows of the tables
+    cos_ref / sin_ref [T, D]. The RoPE step is `jaxinfer.ops.rope.apply_rope` in the form
+    Triton lowers (float32 arithmetic rounded to x.dtype after each of XLA's ops, the
+    rotated half loaded from memory rather than reversed in registers); the prologue tests
+    hold both to the same float64 oracle."""
     dtype, f32 = x.dtype, jnp.float32
     x32, s32 = x.astype(f32), x_swap.astype(f32)
     if norm_ref is not None:
-        inv = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + prologue["eps"])
+        inv = inverse_rms(x32, prologue["eps"])
         d = lax.iota(jnp.int32, x.shape[-1])
         scale, scale_swap = norm_ref[d].astype(f32), norm_ref[_swapped_d(x)].astype(f32)
-        x32 = (scale * (x32 * inv).astype(dtype).astype(f32)).astype(dtype).astype(f32)
-        s32 = (scale_swap * (s32 * inv).astype(dtype).astype(f32)).astype(dtype).astype(f32)
+        # float32 scales: the product in float32, rounded to dtype as XLA's dtype product.
+        x32 = scale_normed(x32, inv, scale, dtype).astype(dtype).astype(f32)
+        s32 = scale_normed(s32, inv, scale_swap, dtype).astype(dtype).astype(f32)
     cos, sin = cos_ref[t, :].astype(f32), sin_ref[t, :].astype(f32)
     half = x.shape[-1] // 2
     sign = jnp.where(lax.iota(jnp.int32, x.shape[-1]) < half, -1.0, 1.0)  # [-x2, x1]

@@ -5,7 +5,7 @@ non-contiguous) page ids per sequence, cache history written into the right
 (page, slot), padding sequences after `num_seqs` and padding tokens after
 `cu_q_lens[num_seqs]`. The oracle attends densely over each sequence's full
 K/V history (old cache + this step's k/v), so it never looks at the pages.
-Shared by the tests of every implementation (reference, Pallas TPU, Mosaic GPU).
+Shared by the tests of every implementation the attention registry lists.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ CASES = {
     "page_boundary_prefill": Case(seqs=((16, 16), (17, 17), (32, 32), (33, 33))),
     "chunk_across_boundary": Case(seqs=((4, 18), (16, 32), (2, 17), (15, 33))),
     "chunked_prefill": Case(seqs=((8, 40), (16, 48), (5, 21)), pad_seqs=0),
-    "no_padding": Case(seqs=((3, 10), (1, 20)), pad_seqs=0, pad_tokens=0),
+    # A speculative-decoding verify step (each sequence's last token and its drafts: q_len > 1
+    # at decode positions, one run across a page boundary), with no padding sequence or token.
+    "verify_no_padding": Case(seqs=((4, 18), (4, 37), (3, 9)), pad_seqs=0, pad_tokens=0),
     # One decode token, unpadded: the runner's batch-1 decode step (T = S = 1).
     "single_token": Case(seqs=((1, 37),), pad_seqs=0, pad_tokens=0),
     "garbage_padding_meta": Case(seqs=((6, 20), (1, 33), (9, 9)), pad_seqs=3, pad_tokens=6,

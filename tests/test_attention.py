@@ -1,4 +1,5 @@
-"""Every `ragged_paged_attention` implementation against an independent float64 oracle.
+"""Every implementation the attention registry lists against an independent float64 oracle,
+and the registry's choice between them.
 
 The cases and the oracle live in attention_cases.py. The reference runs every
 case in float32 and bf16; the kernels (bf16 / fp16 queries only: they run on
@@ -17,7 +18,20 @@ import numpy as np
 import pytest
 from attention_cases import CASES, Case, build, expected_pages, oracle
 
-from jaxinfer.ops.attention import AttentionMetadata, ragged_paged_attention
+import jaxinfer.ops.attention_registry as attention_registry
+import jaxinfer.ops.platform as platform_module
+from jaxinfer.mosaic import ragged_paged_attention as mosaic
+from jaxinfer.ops.attention import (
+    FP8_KV_DTYPE,
+    AttentionCall,
+    AttentionMetadata,
+    quantize_kv,
+    write_kv_pages,
+    zero_decode_slots,
+)
+from jaxinfer.ops.attention_registry import REGISTRY, ragged_paged_attention
+from jaxinfer.ops.rope import QKPrologue, rope_tables
+from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu_kernel
 
 
 def run(case: Case, b, implementation: str = "reference", prologue=None, fused=False):
@@ -44,13 +58,11 @@ def run(case: Case, b, implementation: str = "reference", prologue=None, fused=F
 
 
 gpu = pytest.mark.gpu
-# (implementation, platform): kernels run in interpret mode on the CPU.
-BACKENDS = [
-    ("reference", "cpu"), pytest.param("reference", "gpu", marks=gpu),
-    ("mosaic_gpu", "cpu"), pytest.param("mosaic_gpu", "gpu", marks=gpu),
-    ("pallas_tpu", "cpu"),
-    ("pallas_gpu", "cpu"), pytest.param("pallas_gpu", "gpu", marks=gpu),
-]
+# (implementation, platform): every implementation the registry lists on the CPU (kernels in
+# interpret mode), and natively on the GPU under `-m gpu`, except the TPU kernel (which
+# would only run interpreted there too).
+BACKENDS = [backend for name in REGISTRY.names for backend in (
+    (name, "cpu"), *([] if name == "pallas_tpu" else [pytest.param(name, "gpu", marks=gpu)]))]
 
 
 def check_against_oracle(case: Case, implementation: str, platform: str):
@@ -158,9 +170,7 @@ MOSAIC_CONFIGS = {  # (block_kv, num_stages, compute_wgs, num_splits, tile_rows,
                                   "gqa3_d64"])
 def test_mosaic_configs(name, config, platform):
     """The Mosaic kernel's other configurations (split-KV and its combine, deeper rings,
-    smaller KV blocks) against the oracle; the dispatcher's heuristic picks only one."""
-    from jaxinfer.mosaic import ragged_paged_attention as mosaic
-
+    smaller KV blocks) against the oracle; the kernel's heuristic picks only one."""
     cfg = mosaic.Config(*MOSAIC_CONFIGS[config])
     orig = mosaic.choose_config
     mosaic.choose_config = lambda *a, **k: cfg
@@ -183,8 +193,7 @@ PALLAS_GPU_CONFIGS = {"one_split": (16, 1), "one_split_bk64": (64, 1), "split3":
 def test_pallas_gpu_configs(name, config, platform):
     """The Pallas GPU kernel's block sizes and split counts against the oracle (the
     wrapper's heuristic picks only one per shape)."""
-    from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as kernel
-
+    kernel = pallas_gpu_kernel
     block_kv, num_splits = PALLAS_GPU_CONFIGS[config]
     orig = kernel.attend_pages_gpu
     kernel.attend_pages_gpu = lambda *a, **kw: orig(*a, **{**kw, "block_kv": block_kv,
@@ -205,8 +214,7 @@ def test_pallas_gpu_reads_no_row_its_step_writes(name, config, monkeypatch):
     rows from the k/v inputs."""
     from types import SimpleNamespace
 
-    from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as kernel
-
+    kernel = pallas_gpu_kernel
     real = kernel.pl_triton
 
     def poisoned_store(ref, val, **kw):
@@ -242,8 +250,6 @@ def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
     """The persistent kernel's item lists: every item of an entry with tokens exactly once,
     live items first in each list, no item of an empty entry, and list costs within one
     item's cost of each other (snake order over items sorted by cost)."""
-    from jaxinfer.mosaic.ragged_paged_attention import _schedule
-
     rng = np.random.default_rng()
     entries, hkv, splits, bk = 23, 3, 2, 64
     tokens = rng.integers(0, 3, entries) * rng.integers(1, 40, entries)
@@ -251,7 +257,7 @@ def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
     work = np.zeros((entries, 8), np.int32)
     work[:, 2], work[:, 3] = tokens, pos0
     num_ctas = min(num_ctas, entries * hkv * splits)
-    items, counts = (np.asarray(x) for x in _schedule(jnp.asarray(work), hkv, splits,
+    items, counts = (np.asarray(x) for x in mosaic._schedule(jnp.asarray(work), hkv, splits,
                                                       num_ctas, bk))
     live = [i for i in range(entries * hkv * splits) if tokens[i // (hkv * splits)] > 0]
     dealt = items[items >= 0]
@@ -264,52 +270,157 @@ def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
     assert max(per_cta) - min(per_cta) <= cost.max()
 
 
-def test_backend_choice_and_kernel_limits():
-    """The dispatcher: reference on the CPU; an explicit Mosaic call with inputs the kernel
-    does not take fails with a one-line reason (the automatic choice falls back instead)."""
-    from jaxinfer.mosaic.ragged_paged_attention import unsupported_reason
-    from jaxinfer.ops.attention import default_implementation
+def describe(num_tokens: int, dtype=jnp.bfloat16, kv_dtype=None, hq=8, hkv=2, d=64,
+             page_size=16, fused=False) -> AttentionCall:
+    """The AttentionCall of a step of num_tokens tokens over 4 sequence slots (from shape
+    structs, as the entry point describes its arguments)."""
+    S = jax.ShapeDtypeStruct
+    md = AttentionMetadata(cu_q_lens=S((5,), jnp.int32), kv_lens=S((4,), jnp.int32),
+                           page_indices=S((4, 8), jnp.int32), num_seqs=S((1,), jnp.int32))
+    pages = S((40, page_size, hkv, d), kv_dtype or dtype)
+    if fused:
+        q, k = S((num_tokens, (hq + 2 * hkv) * d), dtype), None
+    else:
+        q, k = S((num_tokens, hq, d), dtype), S((num_tokens, hkv, d), dtype)
+    return AttentionCall.describe(q, k, pages, md)
 
-    assert default_implementation("cpu") == "reference"
-    assert default_implementation("tpu") == "pallas_tpu"
+
+def test_call_description():
+    """A fused projection is described by its query heads; the options by their presence."""
+    call = describe(3, hq=6, hkv=2, d=128, fused=True)
+    assert (call.num_tokens, call.num_q_heads, call.num_kv_heads, call.head_dim) == (3, 6, 2, 128)
+    assert call.fused_qkv and call.query.shape == (3, 6, 128) and call.num_seqs == 4
+    assert call == dataclasses.replace(describe(3, hq=6, hkv=2, d=128), fused_qkv=True)
+    pages = jax.ShapeDtypeStruct((40, 16, 2, 64), FP8_KV_DTYPE)
+    md = AttentionMetadata(*(jnp.zeros(n, jnp.int32) for n in (3, 2, (2, 4), 1)))
+    call = AttentionCall.describe(jnp.zeros((1, 4, 64), jnp.bfloat16),
+                                  jnp.zeros((1, 2, 64), jnp.bfloat16), pages, md,
+                                  sliding_window=7, sinks=jnp.zeros(4),
+                                  prologue=QKPrologue(jnp.zeros((1, 64)), jnp.zeros((1, 64))))
+    assert (call.sliding_window, call.soft_cap, call.sinks, call.prologue) == (7, None, True, True)
+    assert call.kv_dtype == FP8_KV_DTYPE and call.pages == pages
+
+
+# What REGISTRY.pick chooses per platform for: a one-token bf16 step (batch-1 decode), a
+# 4-token bf16 step, a one-token float32 step, a one-token step on fp8 pages, and a
+# one-token step with head_dim 192 (not a power of two: the Pallas GPU kernel refuses it,
+# the Mosaic kernel takes it).
+PICKS = {
+    "cpu": ("reference",) * 5,
+    "gpu": ("reference",) * 5,
+    "tpu": ("pallas_tpu",) * 5,
+    "hopper": ("pallas_gpu", "mosaic_gpu", "reference", "pallas_gpu", "mosaic_gpu"),
+}
+
+
+@pytest.mark.parametrize("platform", list(PICKS), ids=lambda p: f"on_{p}")  # not "gpu": a mark
+def test_pick_by_platform_and_call(platform, monkeypatch):
+    monkeypatch.setattr(platform_module, "platform", lambda: platform)
+    calls = (describe(1), describe(4), describe(1, jnp.float32),
+             describe(1, kv_dtype=FP8_KV_DTYPE), describe(1, d=192))
+    assert tuple(REGISTRY.pick(call).name for call in calls) == PICKS[platform]
+    reasons = REGISTRY.reasons(calls[1])
+    assert reasons["reference"] is None
+    if platform != "hopper":
+        assert reasons["pallas_gpu"] == reasons["mosaic_gpu"] == f"needs hopper, this is {platform}"
+    else:
+        assert "PALLAS_GPU_MAX_TOKENS" in reasons["pallas_gpu"]
+        assert reasons["pallas_tpu"] == "needs tpu, this is hopper"
+        assert "q dtype float32" in REGISTRY.reasons(calls[2])["mosaic_gpu"]
+        assert "head_dim 192" in REGISTRY.reasons(calls[4])["pallas_gpu"]
+        assert describe(4).num_tokens > attention_registry.PALLAS_GPU_MAX_TOKENS
+    # Forced: whatever the call.
+    assert REGISTRY.pick(calls[2], "mosaic_gpu").name == "mosaic_gpu"
+
+
+def test_pick_without_the_triton_lowering(monkeypatch):
+    """A jax without the Pallas Triton lowering: one-token steps on Hopper take the Mosaic
+    kernel, and forcing the Pallas GPU kernel fails with a one-line reason."""
+    monkeypatch.setattr(platform_module, "platform", lambda: "hopper")
+    monkeypatch.setattr(attention_registry, "pallas_gpu_kernel", None)
+    assert REGISTRY.pick(describe(1)).name == "mosaic_gpu"
+    assert "Triton" in REGISTRY.reasons(describe(1))["pallas_gpu"]
+    b = build(CASES["single_token"])
+    md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
+    with pytest.raises(ValueError, match="no Pallas Triton lowering"):
+        ragged_paged_attention(*(jnp.asarray(b[n], jnp.bfloat16) for n in
+                                 ("q", "k", "v", "k_pages", "v_pages")), md, sm_scale=0.125,
+                               implementation="pallas_gpu")
+
+
+def test_kernel_limits():
+    """A kernel's own `unsupported_reason` (what inputs it takes); an explicit Mosaic call with
+    inputs it does not take fails with a one-line reason."""
     q = jnp.zeros((4, 8, 64), jnp.float32)
     pages = jnp.zeros((3, 16, 2, 64), jnp.float32)
-    assert "float32" in unsupported_reason(q, pages)
-    assert unsupported_reason(q.astype(jnp.bfloat16), pages.astype(jnp.bfloat16)) is None
-    assert "page_size" in unsupported_reason(q.astype(jnp.bfloat16),
-                                             jnp.zeros((3, 4, 2, 64), jnp.bfloat16))
+    assert "float32" in mosaic.unsupported_reason(q, pages)
+    assert mosaic.unsupported_reason(q.astype(jnp.bfloat16), pages.astype(jnp.bfloat16)) is None
+    assert "page_size" in mosaic.unsupported_reason(q.astype(jnp.bfloat16),
+                                                    jnp.zeros((3, 4, 2, 64), jnp.bfloat16))
+    assert "head_dim 48" in pallas_gpu_kernel.unsupported_reason(
+        jnp.zeros((1, 8, 48), jnp.bfloat16), jnp.zeros((3, 16, 2, 48), jnp.bfloat16))
     b = build(CASES["decode"])
     md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
     with pytest.raises(ValueError, match="mosaic attention: q dtype float32"):
         ragged_paged_attention(*(jnp.asarray(b[n]) for n in ("q", "k", "v", "k_pages",
                                                              "v_pages")), md,
                                sm_scale=0.125, implementation="mosaic_gpu")
-
-
-def test_hopper_dispatch_picks_the_pallas_gpu_kernel_for_few_tokens(monkeypatch):
-    """Where the default is the Mosaic kernel (Hopper), a step of up to
-    PALLAS_GPU_MAX_TOKENS tokens runs the Pallas GPU kernel and a larger one the Mosaic
-    kernel (both patched to report which ran); float32 inputs still fall back to the
-    reference."""
-    import jaxinfer.ops.attention as att
-    from jaxinfer.mosaic import ragged_paged_attention as mosaic
-    from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu
-
-    monkeypatch.setattr(att, "default_implementation", lambda: "mosaic_gpu")
-    monkeypatch.setattr(mosaic, "ragged_paged_attention_mgpu", lambda *a, **k: "mosaic_gpu")
-    monkeypatch.setattr(pallas_gpu, "ragged_paged_attention_gpu", lambda *a, **k: "pallas_gpu")
-    for name, want in (("single_token", "pallas_gpu"), ("decode", "mosaic_gpu")):
-        b = build(CASES[name])
-        assert (b["q"].shape[0] <= att.PALLAS_GPU_MAX_TOKENS) == (want == "pallas_gpu")
-        md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
-        arrays = [jnp.asarray(b[n]) for n in ("q", "k", "v", "k_pages", "v_pages")]
-        got = att.ragged_paged_attention(*(a.astype(jnp.bfloat16) for a in arrays), md,
-                                         sm_scale=0.125)
-        assert got == want
-        out, _, _ = att.ragged_paged_attention(*arrays, md, sm_scale=0.125)  # float32
-        assert out.shape == b["q"].shape
     with pytest.raises(ValueError, match="attention implementation 'triton'"):
-        att.ragged_paged_attention(*arrays, md, sm_scale=0.125, implementation="triton")
+        ragged_paged_attention(*(jnp.asarray(b[n]) for n in ("q", "k", "v", "k_pages",
+                                                             "v_pages")), md,
+                               sm_scale=0.125, implementation="triton")
+
+
+@pytest.mark.parametrize("platform,name,dtype,want", [
+    ("hopper", "single_token", jnp.bfloat16, "pallas_gpu"),
+    ("hopper", "decode", jnp.bfloat16, "mosaic_gpu"),
+    ("hopper", "single_token", jnp.float32, "reference"),
+    ("tpu", "decode", jnp.float32, "pallas_tpu"),
+])
+def test_entry_point_runs_the_pick_and_the_work_it_does_not_fuse(platform, name, dtype, want,
+                                                                 monkeypatch):
+    """`ragged_paged_attention` runs the implementation REGISTRY.pick chooses (every entry
+    patched to record its arguments), given a fused projection and a prologue: an entry
+    whose `fuses` holds split_qkv, qk_norm and rope gets them as they are; any other gets
+    q, k, v split and the prologue applied. The entry's `fuses` decides, not its name (the
+    reference, made to fuse them, gets them as they are too)."""
+    got = {}
+
+    def recorder(impl):
+        def fn(q, k, v, k_pages, v_pages, md, **options):
+            got.update(name=impl.name, q=q, k=k, v=v, options=options)
+            return jnp.zeros(()), k_pages, v_pages
+        return dataclasses.replace(impl, fn=fn)
+
+    monkeypatch.setattr(platform_module, "platform", lambda: platform)
+    patched = [recorder(impl) for impl in REGISTRY.implementations]
+    monkeypatch.setattr(REGISTRY, "implementations", tuple(patched))
+    monkeypatch.setattr(REGISTRY, "by_name", {impl.name: impl for impl in patched})
+    case = CASES[name]
+    b = build(case)
+    md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
+    q, k, v, kp, vp = (jnp.asarray(b[n], dtype) for n in ("q", "k", "v", "k_pages", "v_pages"))
+    T = q.shape[0]
+    qkv = jnp.concatenate([x.reshape(T, -1) for x in (q, k, v)], 1)
+    rng = np.random.default_rng(0)
+    cos, sin = (jnp.asarray(rng.standard_normal((T, case.d)), dtype) for _ in range(2))
+    prologue = QKPrologue(cos, sin, jnp.full((case.d,), 1.5, dtype),
+                          jnp.full((case.d,), 0.5, dtype))
+    ragged_paged_attention(qkv, None, None, kp, vp, md, sm_scale=0.125, prologue=prologue)
+    assert got["name"] == want
+    fuses = REGISTRY[want].fuses
+    if {"split_qkv", "qk_norm", "rope"} <= set(fuses):
+        assert got["q"] is qkv and got["k"] is None and got["options"]["prologue"] is prologue
+    else:
+        assert not fuses and "prologue" not in got["options"]
+        want_q, want_k = prologue.apply(q, k)
+        for x, y in ((got["q"], want_q), (got["k"], want_k), (got["v"], v)):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    if want == "reference":  # the same call, the reference made to fuse the three
+        fusing = dataclasses.replace(patched[-1], fuses=("split_qkv", "qk_norm", "rope"))
+        monkeypatch.setattr(REGISTRY, "implementations", (*patched[:-1], fusing))
+        ragged_paged_attention(qkv, None, None, kp, vp, md, sm_scale=0.125, prologue=prologue)
+        assert got["q"] is qkv and got["options"]["prologue"] is prologue
 
 
 @pytest.mark.parametrize("live", [True, False])
@@ -318,8 +429,6 @@ def test_one_token_write_into_pages_with_a_scratch_page(live, kv_dtype):
     """A one-token step whose pages end with a scratch page (md.scratch_page, the runner's)
     writes with a dynamic_update_slice: a live token's k/v land in its slot (quantised as
     the scatter path does), a padding token's in the scratch page; no other row changes."""
-    from jaxinfer.ops.attention import FP8_KV_DTYPE, quantize_kv, write_kv_pages
-
     rng = np.random.default_rng()
     num_pages, ps, hkv, d = 9, 8, 2, 16
     scale = 0.5 if kv_dtype == FP8_KV_DTYPE else None
@@ -352,8 +461,6 @@ def test_multi_step_decode_pages_stay_finite_without_per_step_tail_zeroing():
     skip the tail zeroing (md.zero_tails=False): at every step each page a sequence reads
     holds finite values (the Mosaic kernel reads whole pages), its earlier tokens are kept,
     and no other page is touched."""
-    from jaxinfer.ops.attention import write_kv_pages, zero_decode_slots
-
     rng = np.random.default_rng()
     ps, hkv, d, steps = 8, 2, 16, 12
     num_pages, scratch = 16, 15  # finished sequences write into the scratch page
@@ -413,8 +520,6 @@ PROLOGUE_CASES = {
 def _prologue_oracle(case: Case, b, norm: bool, rng):
     """A random prologue for the case's tokens, and b with q / k replaced by the float64
     result (rounded to the case's dtype): what attention then sees."""
-    from jaxinfer.ops.attention import QKPrologue, rope_tables
-
     T, d = b["q"].shape[0], case.d
     pos = np.zeros(T, np.int32)
     t0 = 0
@@ -459,10 +564,6 @@ def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
     steps to the dtype where the oracle rounds once). At one token on pages in q's dtype
     the Pallas GPU kernel must apply the prologue itself (XLA's `apply` is not called), and
     read the fused projection whole (`split_qkv` is not called)."""
-    import jaxinfer.ops.attention as attention
-    import jaxinfer.pallas_kernels.ragged_paged_attention_gpu as kernel
-    from jaxinfer.ops.attention import QKPrologue
-
     case = PROLOGUE_CASES[name]
     if implementation != "reference":
         case = dataclasses.replace(case, dtype="bfloat16")
@@ -471,8 +572,8 @@ def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
     applied, real_apply = [], QKPrologue.apply
     monkeypatch.setattr(QKPrologue, "apply",
                         lambda self, q, k: applied.append(1) or real_apply(self, q, k))
-    splits, real_split = [], attention.split_qkv
-    for module in (attention, kernel):
+    splits, real_split = [], attention_registry.split_qkv
+    for module in (attention_registry, pallas_gpu_kernel):
         monkeypatch.setattr(module, "split_qkv",
                             lambda *a: splits.append(1) or real_split(*a))
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):

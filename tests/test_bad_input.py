@@ -188,7 +188,7 @@ def test_library_rejects_bad_prompts_and_leaves_nothing_queued(hf_models):
     with pytest.raises(JaxinferError, match="max_model_len"):
         llm.generate([[5, 6, 7], [5] * 300], params)
     assert not llm.engine.has_unfinished()
-    assert len(llm.engine.allocator.free) == llm.runner.num_pages
+    assert llm.engine.stats().num_free_pages == llm.runner.num_pages
     assert len(llm.generate([[5, 6, 7]], params)) == 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -9,6 +10,15 @@ import pytest
 from click.testing import CliRunner
 
 from jaxinfer.cli.main import cli
+from jaxinfer.loading.presets import preset_config, random_model
+from jaxinfer.loading.weights import (
+    StepReads,
+    active_weight_count,
+    step_reads,
+    step_weight_bytes,
+    weight_bytes,
+    weight_count,
+)
 
 ROW_FIELDS = {"name", "time_us", "bytes", "flops", "pct_copy_bw", "pct_matmul", "floor_us",
               "pct_of_floor"}
@@ -58,22 +68,73 @@ def test_bench_latency_tiny(tmp_path, preset):
     runs = data["itl_ms_runs"]  # the headline is the median of the timed runs
     assert len(runs) == 3 and data["itl_ms"] == pytest.approx(sorted(runs)[1])
     _check_rows(data)
+    # The floor's bytes, bf16: one embedding row, the experts one token hits, the K/V.
+    config = preset_config(preset)
+    table, others, experts = hand_count(config)
+    k_of_e = config.num_experts_per_tok / config.num_experts if config.is_moe else 0
+    assert data["weight_bytes"] == 2 * (table + others + experts)
+    assert data["step_weight_bytes"] == pytest.approx(
+        2 * (others + config.hidden_size + k_of_e * experts), abs=1)
+    kv = (20 + 6 // 2) * config.kv_bytes_per_token(2)
+    assert data["rows"][0]["bytes"] == pytest.approx(data["step_weight_bytes"] + kv)
 
 
-def test_moe_active_weights():
-    """A batch-1 MoE step reads k of E experts: the roofline counts only those."""
-    from jaxinfer.benchmarks.harness import expert_fraction, weight_bytes, weight_count
-    from jaxinfer.loading.presets import preset_config, random_model
+def hand_count(c) -> tuple[int, int, int]:
+    """(input embedding table, every other weight but the experts (an untied LM head's own
+    table included), expert weights), counted from the config."""
+    q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+    attention = h * (q + 2 * kv) + q * h + (2 * c.head_dim if c.qk_norm else 0)
+    if c.is_moe:  # a router, and E experts of gate, up and down
+        mlp, experts = c.num_experts * h, c.num_experts * 3 * h * c.moe_intermediate_size
+    else:
+        mlp, experts = 3 * h * c.intermediate_size, 0
+    table = c.vocab_size * h
+    others = (c.num_layers * (attention + mlp + 2 * h) + h  # + the layers' and final norms
+              + (0 if c.tie_word_embeddings else table))  # the LM head's own table
+    return table, others, c.num_layers * experts
 
-    config = preset_config("tiny-moe")  # 8 experts, top 2, float32 here
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_counts_dense(tied):
+    """An untied input embedding is read one row per token and multiplies nothing; a tied
+    table is read whole (the LM head) and counted once."""
+    config = dataclasses.replace(preset_config("tiny"), tie_word_embeddings=tied)
+    dtype = jnp.bfloat16 if tied else jnp.float32
+    size = jnp.dtype(dtype).itemsize
+    model = random_model(config, dtype=dtype)
+    table, others, experts = hand_count(config)
+    assert experts == 0 and (model.lm_head is None) == tied
+    assert weight_count(model) == others + table
+    assert weight_bytes(model) == size * (others + table)
+    row = config.hidden_size
+    for tokens in (1, 7):
+        read = others + (table if tied else tokens * row)
+        assert step_weight_bytes(model, tokens) == size * read
+    assert active_weight_count(model) == others + (table if tied else 0)
+    reads = step_reads(model)
+    assert reads.embedding_row_bytes == (0 if tied else size * row)
+    assert StepReads.from_info({**reads.as_info(), "vocab_size": 1.0}) == reads
+
+
+def test_weight_counts_moe():
+    """A MoE step reads the experts its tokens hit (uniform routing), one embedding row per
+    token, every other weight once; a token multiplies k of E experts."""
+    config = preset_config("tiny-moe")  # 8 experts, top 2
     model = random_model(config, dtype=jnp.float32)
-    # Per layer, gate + up + down: 3 x [8 experts, 32, 64] float32 weights.
-    experts = config.num_layers * 3 * 8 * 32 * 64 * 4
-    total = weight_bytes(model)
-    assert weight_bytes(model, tokens=1) == pytest.approx(total - experts * (1 - 2 / 8), abs=8)
-    assert weight_count(model, active=True) == pytest.approx(
-        weight_count(model) - experts / 4 * (1 - 2 / 8), abs=8)
-    assert expert_fraction(config, 1000) == pytest.approx(1.0)
+    table, others, experts = hand_count(config)
+    k_of_e = config.num_experts_per_tok / config.num_experts
+    assert weight_count(model) == others + table + experts
+    assert weight_bytes(model) == 4 * (others + table + experts)
+    for tokens in (1, 3, 1000):
+        hit = 1 - (1 - k_of_e) ** tokens
+        assert step_weight_bytes(model, tokens) == pytest.approx(
+            4 * (others + min(tokens, config.vocab_size) * config.hidden_size + hit * experts),
+            abs=1)
+    assert active_weight_count(model) == pytest.approx(others + k_of_e * experts, abs=1)
+    # int4 projections: values at half a byte; scales read but not counted as weights.
+    int4 = random_model(config, dtype=jnp.float32, quantize="int4")
+    assert weight_count(int4) == weight_count(model)
+    assert experts // 2 < step_reads(int4).expert_bytes < experts
 
 
 def test_bench_throughput_tiny(tmp_path):
@@ -119,3 +180,11 @@ def test_bench_serve_tiny(tmp_path):
         p = data[key]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"], (key, p)
     assert 0 < data["fraction_of_roofline"] and data["roofline_output_tokens_per_s"] > 0
+    # The decode row's bytes, from the server's published sizes: float32 weights read by a
+    # step of 3 tokens (3 embedding rows) and 3 sequences' K/V at the mean context.
+    config = preset_config("tiny")
+    _, others, _ = hand_count(config)
+    ctx = data["mean_input_len"] + 8 / 2
+    (row,) = data["rows"]
+    assert row["bytes"] == pytest.approx(4 * (others + 3 * config.hidden_size)
+                                         + 3 * ctx * config.kv_bytes_per_token(4))

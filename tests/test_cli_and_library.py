@@ -88,7 +88,7 @@ def test_stops_on_stop_token_and_max_tokens(llm):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                 stop_token_ids=[stop]))[0]
     assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
-    assert len(llm.engine.allocator.free) == llm.runner.num_pages  # every page returned
+    assert llm.engine.stats().num_free_pages == llm.runner.num_pages  # every page returned
 
 
 def test_chunked_prefill_matches_single_step(converted):

@@ -1,17 +1,33 @@
-"""The engine's KV page pool: reference counts, prefix caching, LRU eviction, preemption.
+"""The engine: the KV page pool (reference counts, prefix caching, LRU eviction), the
+scheduler (admission, chunking, preemption), multi-step decode, stops and logprobs, and
+dp replicas behind the one-engine interface.
 
 Outputs are checked against the same requests run alone on an engine with a
-pool large enough that nothing is cached across requests or preempted.
+pool large enough that nothing is cached across requests or preempted: on the tiny
+model, and on a runner without a model (`HostRunner`) for the scheduler's own tests.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxinfer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.engine import Engine, EngineInterface, EngineStats, ReplicatedEngine
 from jaxinfer.engine.kv_pages import PagePool, page_hash, page_hashes
+from jaxinfer.engine.runner import ModelRunner, StepOutput
+from jaxinfer.engine.scheduler import SeqChunk
+from jaxinfer.loading.presets import preset_config, random_model
 
 from .conftest import VOCAB
 
@@ -48,6 +64,170 @@ def test_page_pool_refcounts_prefix_and_lru():
         pool.release([0])
 
 
+def test_scheduler_imports_no_jax():
+    """The scheduler, the request types and the output side run on the host alone: they
+    import with jax, jaxlib and flax blocked (the runner, as a check of the block, does not).
+    The top-level package's __init__ (it exports LLM) is bypassed; the rest is imported."""
+    code = textwrap.dedent(f"""
+        import importlib.abc, sys, types
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.partition(".")[0] in ("jax", "jaxlib", "flax"):
+                    raise ImportError(f"{{name}} is blocked")
+
+        sys.meta_path.insert(0, Block())
+        package = types.ModuleType("jaxinfer")
+        package.__path__ = [{str(Path(jaxinfer.__file__).parent)!r}]
+        sys.modules["jaxinfer"] = package
+        import jaxinfer.engine.output
+        import jaxinfer.engine.request
+        import jaxinfer.engine.scheduler
+        try:
+            import jaxinfer.engine.runner
+        except ImportError as e:
+            print("runner:", e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "runner: jax is blocked"
+
+
+HOST_VOCAB, HOST_EOS = 64, 1
+
+
+def host_token(seed: int, step: int) -> int:
+    """The HostRunner's token number `step` of a sequence: like the sampler's key, a function
+    of the seed and the token count only."""
+    return (seed * 31 + step * 17 + seed * step * 7) % HOST_VOCAB
+
+
+class HostRunner:
+    """A model runner without a model (what the engine calls of `ModelRunner`): each sequence
+    gets its `host_token`s, min(num_steps, remaining) of them. Records whether each chunk of
+    each launched batch was a decode (the last token of an up-to-date sequence)."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.config = SimpleNamespace(vocab_size=HOST_VOCAB)
+        self.batches: list[list[bool]] = []
+        self.num_steps: list[int] = []  # of each batch
+
+    def launch(self, chunks: list[SeqChunk], num_steps: int, with_logprobs: bool):
+        self.batches.append([len(c.new_tokens) == 1 and c.num_cached + 1 == c.num_prompt + c.step
+                             for c in chunks])
+        self.num_steps.append(num_steps)
+        tokens = np.full((len(chunks), num_steps), -1, np.int32)
+        for s, c in enumerate(chunks):
+            for j in range(min(num_steps, c.remaining)):
+                tokens[s, j] = host_token(c.seed, c.step + j)
+        return StepOutput(tokens)
+
+    @staticmethod
+    def collect(pending: StepOutput) -> StepOutput:
+        return pending
+
+
+def _host_engine(num_pages: int, decode_steps: int = 1) -> Engine:
+    return Engine(HostRunner(num_pages, page_size=4), [HOST_EOS], max_model_len=64,
+                  max_num_seqs=4, max_num_batched_tokens=12, decode_steps=decode_steps)
+
+
+def _host_workload(seed: int):
+    """Eight requests, half of them sharing a 9-token prefix, with explicit seeds (so that
+    their outputs do not depend on their ids)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(2, HOST_VOCAB, 9).tolist()
+    prompts = [(shared if i % 2 else []) + rng.integers(2, HOST_VOCAB, rng.integers(3, 16)).tolist()
+               for i in range(8)]
+    params = [SamplingParams(max_tokens=int(rng.integers(4, 14)), seed=100 + i,
+                             ignore_eos=i % 3 == 0) for i in range(8)]
+    return prompts, params
+
+
+def _run_host(engine: EngineInterface, prompts, params, check_step=None) -> list:
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while engine.has_unfinished():
+        running = list(engine.running)
+        engine.step()
+        if check_step:
+            check_step(engine)
+        # Preemption takes the newest running requests not in the batch: every request
+        # newer than a preempted one that still runs is in the batch. So the oldest running
+        # request is never preempted.
+        scheduled = {id(r) for r, _ in engine.last_batch}
+        for preempted in (r for r in running if r in engine.waiting):
+            assert all(id(r) in scheduled for r in engine.running if r.id > preempted.id)
+            assert preempted.id > min(r.id for r in running)
+    return [(r.output_ids, r.finish_reason) for r in requests]
+
+
+def _solo(prompts, params, decode_steps: int = 1) -> list:
+    return [_run_host(_host_engine(64, decode_steps), [p], [sp])[0]
+            for p, sp in zip(prompts, params, strict=True)]
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_scheduler_batches_decodes_first_in_budget_and_preempts_the_newest(decode_steps):
+    """On a pool far too small (9 pages of 4 tokens for 8 requests of up to 8 pages): every
+    batch runs decodes first, then prefill chunks, each oldest first, within the token
+    budget; requests are preempted (never the oldest) and recomputed, and every output is
+    its solo output; every page comes back."""
+    prompts, params = _host_workload(0)
+    want = _solo(prompts, params, decode_steps)
+    engine = _host_engine(9, decode_steps)
+
+    def check_step(engine):
+        decodes = engine.runner.batches[-1]
+        batch = engine.last_batch
+        assert decodes == sorted(decodes, reverse=True)  # decodes, then prefill chunks
+        for group in (True, False):
+            ids = [r.id for (r, _), d in zip(batch, decodes, strict=True) if d == group]
+            assert ids == sorted(ids)
+        assert sum(len(c.new_tokens) for _, c in batch) <= engine.max_num_batched_tokens
+
+    assert _run_host(engine, prompts, params, check_step) == want
+    assert any(f == "stop" for _, f in want) and any(f == "length" for _, f in want)
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert stats.num_steps == len(engine.runner.batches)
+    assert stats.num_generated_tokens == sum(len(out) for out, _ in want)
+    assert max(engine.runner.num_steps) == decode_steps
+    pool = engine.scheduler.pool
+    assert pool.num_free == 9 and not any(pool.ref)
+    assert (stats.num_waiting, stats.num_running, stats.num_free_pages) == (0, 0, 9)
+
+
+def test_replicated_engine_is_one_engine_to_its_callers():
+    """Two replicas behind ReplicatedEngine: the same outputs as one engine each request
+    alone, unique request ids, both replicas used, and the replicas' runners and summed
+    stats through the interface."""
+    prompts, params = _host_workload(1)
+    want = _solo(prompts, params)
+    engines = [_host_engine(9), _host_engine(9)]
+    replicated = ReplicatedEngine(engines)
+    assert isinstance(replicated, EngineInterface)
+    assert replicated.runners == [e.runner for e in engines]
+    assert replicated.max_num_batched_tokens == 12 and replicated.decode_steps == 1
+    requests = [replicated.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    assert sorted(r.id for r in requests) == list(range(8))
+    assert len(replicated.waiting) == 8 and all(len(e.waiting) == 4 for e in engines)
+    replicated.step()
+    assert {id(r) for r, _ in replicated.last_batch} == {
+        id(r) for e in engines for r, _ in e.last_batch}
+    while replicated.has_unfinished():
+        replicated.step()
+    assert [(r.output_ids, r.finish_reason) for r in requests] == want
+    total = replicated.stats()
+    assert total == engines[0].stats() + engines[1].stats()
+    assert total.num_steps == sum(len(e.runner.batches) for e in engines)
+    assert all(e.stats().num_steps > 0 for e in engines)
+    assert total.num_pages == total.num_free_pages == 18
+    assert total.num_generated_tokens == sum(len(out) for out, _ in want)
+    assert EngineStats() + total == total
+
+
 @pytest.fixture(scope="module")
 def converted(qwen3_converted):
     return qwen3_converted
@@ -80,18 +260,20 @@ def test_prefix_cache_hit_same_output_and_skips_prefill(converted):
     llm = LLM(converted, kv_cache_bytes=1 << 22)
     eng = llm.engine
     first = llm.generate([prompts[0]], params[0])[0].token_ids
-    computed, hits = eng.num_computed_tokens, eng.prefix_hit_tokens
-    assert hits == 0
+    before = eng.stats()
+    assert before.prefix_hit_tokens == 0
     second = llm.generate([prompts[1]], params[1])[0].token_ids
     assert [first, second] == want
     # The 4 full pages of the shared prefix were reused, not prefilled again.
-    assert eng.prefix_hit_tokens - hits == 4 * PAGE
-    assert eng.num_computed_tokens - computed == len(prompts[1]) - 4 * PAGE + 9
+    after = eng.stats()
+    assert after.prefix_hit_tokens == 4 * PAGE
+    assert after.num_computed_tokens - before.num_computed_tokens == (
+        len(prompts[1]) - 4 * PAGE + 9)
     # The same prompt again: every full page before its last token is a hit.
     again = llm.generate([prompts[0]], params[0])[0].token_ids
     assert again == first
-    assert eng.prefix_hit_tokens - hits - 4 * PAGE == (len(prompts[0]) - 1) // PAGE * PAGE
-    assert eng.allocator.num_free == llm.runner.num_pages  # no leaks
+    assert eng.stats().prefix_hit_tokens - 4 * PAGE == (len(prompts[0]) - 1) // PAGE * PAGE
+    assert eng.stats().num_free_pages == llm.runner.num_pages  # no leaks
 
 
 def test_concurrent_sharers_and_preemption_give_the_same_outputs(converted):
@@ -111,9 +293,10 @@ def test_concurrent_sharers_and_preemption_give_the_same_outputs(converted):
     assert llm.runner.num_pages == 10
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
-    assert llm.engine.num_preemptions > 0
-    assert llm.engine.prefix_hit_tokens > 0
-    assert llm.engine.allocator.num_free == 10 and not any(llm.engine.allocator.ref)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    pool = llm.engine.scheduler.pool
+    assert pool.num_free == 10 and not any(pool.ref)
 
 
 def _run(converted, prompts, params, **kwargs):
@@ -151,8 +334,8 @@ def test_multi_step_decode_matches_single_steps(converted):
         np.testing.assert_allclose([a.logprob] + [lp for _, lp in a.top],
                                    [b.logprob] + [lp for _, lp in b.top], atol=1e-4)
     assert multi_llm.engine.num_steps < one_llm.engine.num_steps
-    eng = multi_llm.engine
-    assert eng.allocator.num_free == multi_llm.runner.num_pages and not any(eng.allocator.ref)
+    pool = multi_llm.engine.scheduler.pool
+    assert pool.num_free == multi_llm.runner.num_pages and not any(pool.ref)
 
 
 def test_logprobs_are_the_models_log_softmax(converted):
@@ -217,7 +400,7 @@ def test_stop_strings_cut_the_text_and_never_stream_a_partial_stop(converted):
         assert out.token_ids == free.token_ids[:len(out.token_ids)]
         deltas = list(llm.stream(prompt, params))
         assert "".join(deltas) == text[:cut]
-        assert llm.engine.allocator.num_free == llm.runner.num_pages
+        assert llm.engine.stats().num_free_pages == llm.runner.num_pages
     # A stop token id ends it too, reported as the stop reason, its token not in the text.
     stop_id = free.token_ids[4]
     first = free.token_ids.index(stop_id)
@@ -235,7 +418,7 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     compiled = llm.runner._sample_step._cache_size()
     # seq buckets 1, 2, 4 x page buckets 4, 7 (100 tokens = 7 pages) + token buckets 16..64
     assert compiled == 3 * 2 + 3
-    assert not any(llm.engine.allocator.ref)
+    assert not any(llm.engine.scheduler.pool.ref)
     rng = np.random.default_rng()
     prompts = [rng.integers(2, VOCAB, n).tolist() for n in (10, 40, 3)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -247,11 +430,6 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
 def test_decode_batches_pad_tokens_to_the_sequence_bucket():
     """A decode batch (one token per sequence) pads to T = S tokens (one all-reduce row per
     sequence under tensor parallelism); anything else pads to >= 16 tokens."""
-    import jax.numpy as jnp
-
-    from jaxinfer.engine.runner import ModelRunner, SeqChunk
-    from jaxinfer.loading.presets import preset_config, random_model
-
     runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=8,
                          page_size=PAGE, max_model_len=8 * PAGE)
     decode = runner.prepare([SeqChunk(new_tokens=[5], num_cached=10 + i, pages=[i])
@@ -271,11 +449,6 @@ def test_gpu_multi_step_decode_over_poisoned_pages_matches_single_steps():
     cache page NaN before the run, an 8-step on-device decode (page tails zeroed once per
     loop, `zero_decode_slots`) gives the single-step engine's greedy tokens (tails zeroed by
     every step's write), and both are NaN-free."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxinfer.loading.presets import random_model
-
     config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
                          intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,
                          head_dim=64, max_position_embeddings=2048, eos_token_ids=(1,))

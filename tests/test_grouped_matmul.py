@@ -1,6 +1,7 @@
-"""Every `grouped_matmul` implementation against an independent float64 oracle (cases in
+"""Every implementation the grouped matmul's registry lists
+(`jaxinfer.ops.grouped_matmul_registry`) against an independent float64 oracle (cases in
 grouped_cases.py): random group sizes, empty experts, all rows on one expert, rows past
-the groups' total, float and quantized expert weights.
+the groups' total, float and quantized expert weights; and the registry's picks.
 
 Kernels run in interpret mode on the CPU (Mosaic GPU: uninitialised memory reads as
 NaN, so an unwritten output element fails) and natively under `pytest -m gpu`.
@@ -9,7 +10,6 @@ NaN, so an unwritten output element fails) and natively under `pytest -m gpu`.
 from __future__ import annotations
 
 import functools
-import importlib
 import re
 
 import jax
@@ -18,37 +18,71 @@ import numpy as np
 import pytest
 from grouped_cases import CASES, Case, build, oracle, stored_weights
 
-from jaxinfer.ops.grouped_matmul import RowGroups, grouped_matmul
-from jaxinfer.ops.quant import quantize
+from jaxinfer.mosaic import grouped_matmul as mosaic_gpu_kernel
+from jaxinfer.ops import platform as platform_module
+from jaxinfer.ops.grouped_matmul import GroupedMatmulCall, RowGroups
+from jaxinfer.ops.grouped_matmul_registry import (
+    QUANT_ROWS_MAX_M,
+    REGISTRY,
+    ROW_REDUCE_MAX_M,
+    grouped_matmul,
+)
+from jaxinfer.ops.quant import VALUE_DTYPES, QuantizedWeight, parse_format, quantize
+from jaxinfer.pallas_kernels import grouped_matmul as pallas_tpu_kernel
 
 gpu = pytest.mark.gpu
+# (implementation, platform): every implementation the registry lists, kernels in
+# interpret mode on the CPU.
 BACKENDS = [
-    ("reference", "cpu"), pytest.param("reference", "gpu", marks=gpu),
-    ("mosaic_gpu", "cpu"), pytest.param("mosaic_gpu", "gpu", marks=gpu),
-    ("pallas_tpu", "cpu"),
+    *((name, "cpu") for name in REGISTRY.names),
+    pytest.param("reference", "gpu", marks=gpu), pytest.param("mosaic_gpu", "gpu", marks=gpu),
 ]
-KERNEL_MODULES = {"mosaic_gpu": "jaxinfer.mosaic.grouped_matmul",
-                  "pallas_tpu": "jaxinfer.pallas_kernels.grouped_matmul"}
+KERNELS = {"mosaic_gpu": mosaic_gpu_kernel, "pallas_tpu": pallas_tpu_kernel}
+
+
+def test_every_implementation_is_tested():
+    assert set(REGISTRY.names) == {"row_reduce", "reference", *KERNELS}
+
+
+def refusal(implementation: str, x, w) -> str | None:
+    """Why `implementation`, forced, refuses these inputs (it raises ValueError saying so),
+    or None (the row reduction takes any call that gives row_groups)."""
+    module = KERNELS.get(implementation)
+    return None if module is None else module.unsupported_reason(x, w)
+
+
+def sorted_row_groups(sizes: np.ndarray, m: int) -> RowGroups:
+    """Each of m rows in group order: its group (E past the groups' total) and its group's
+    span."""
+    ends = np.cumsum(sizes)
+    group = np.repeat(np.arange(len(sizes) + 1), np.append(sizes, m - ends[-1]))
+    start = np.append(ends - sizes, ends[-1])[group]
+    end = np.append(ends, m)[group]
+    return RowGroups(*(jnp.asarray(a, jnp.int32) for a in (group, start, end)))
 
 
 def run(case: Case, implementation: str, platform: str, swiglu: bool = False):
+    """(inputs, weights, y as float64) of the case through `implementation`; None where it
+    refuses them (after checking that it says so) and runs on the CPU. On the GPU a
+    refused case runs the registry's pick instead."""
     b = build(case)
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
         w = (quantize(b["w"], case.fmt) if case.fmt
              else jnp.asarray(b["w"], case.dtype))
         x = jnp.asarray(b["x"], case.dtype)
         sizes = jnp.asarray(b["sizes"])
-        if implementation != "reference":
-            module = importlib.import_module(KERNEL_MODULES[implementation])
-            reason = module.unsupported_reason(x, w)
-            if reason is not None:
-                # A forced kernel says why it cannot; the default dispatch falls back.
-                with pytest.raises(ValueError, match=re.escape(reason)):
-                    grouped_matmul(x, w, sizes, implementation=implementation)
-                implementation = None
+        # The row reduction needs each row's group, which sorted rows give.
+        kwargs = (dict(row_groups=sorted_row_groups(b["sizes"], case.m))
+                  if implementation == "row_reduce" else {})
+        if (reason := refusal(implementation, x, w)) is not None:
+            with pytest.raises(ValueError, match=re.escape(reason)):
+                grouped_matmul(x, w, sizes, implementation=implementation)
+            if platform == "cpu":  # the pick there is the reference, tested on its own
+                return None
+            implementation = None
         fn = jax.jit(functools.partial(grouped_matmul, swiglu=swiglu,
                                        implementation=implementation))
-        y = fn(x, w, sizes)
+        y = fn(x, w, sizes, **kwargs)
     assert y.dtype == x.dtype and y.shape == (case.m, case.n // 2 if swiglu else case.n)
     return b, w, np.asarray(y.astype(jnp.float32), np.float64)
 
@@ -57,7 +91,9 @@ def run(case: Case, implementation: str, platform: str, swiglu: bool = False):
 @pytest.mark.parametrize("name", list(CASES))
 def test_grouped_matmul_matches_oracle(name, implementation, platform):
     case = CASES[name]
-    b, w, y = run(case, implementation, platform)
+    if (result := run(case, implementation, platform)) is None:
+        return
+    b, w, y = result
     want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
     err = np.abs(y - want)
     assert np.isfinite(y).all(), "non-finite outputs (unwritten rows?)"
@@ -74,7 +110,9 @@ def test_swiglu_matches_oracle(name, implementation, platform):
     """silu(gate) * up of the two halves of N, against the float64 oracle's product
     (`swiglu_oracle`)."""
     case = CASES[name]
-    b, w, y = run(case, implementation, platform, swiglu=True)
+    if (result := run(case, implementation, platform, swiglu=True)) is None:
+        return
+    b, w, y = result
     want, allowance = swiglu_oracle(
         case, *oracle(case, b["x"], stored_weights(case, w), b["sizes"]))
     assert np.isfinite(y).all(), "non-finite outputs (unwritten rows?)"
@@ -118,9 +156,10 @@ def test_unsorted_rows_match_oracle(name, implementation, platform):
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
         w = quantize(b["w"], case.fmt) if case.fmt else jnp.asarray(b["w"], case.dtype)
         x = jnp.asarray(b["x"][perm], case.dtype)
-        if implementation != "reference" and importlib.import_module(
-                KERNEL_MODULES[implementation]).unsupported_reason(x, w) is not None:
-            implementation = None  # the default dispatch falls back (see `run`)
+        if refusal(implementation, x, w) is not None:
+            if platform == "cpu":  # (the sorted case checks that it says so)
+                return
+            implementation = None
         spans = RowGroups(jnp.asarray(group[perm], jnp.int32), jnp.asarray(rows),
                           jnp.asarray(rows + 1))
         y = jax.jit(functools.partial(grouped_matmul, rows_sorted=False,
@@ -139,105 +178,76 @@ def test_unsorted_rows_match_oracle(name, implementation, platform):
                        rows_sorted=False, implementation=implementation)
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("name", ["bf16_decode", "bf16_m1", "mxfp4_decode",
-                                  "int4_g32_asym_decode"])
-def test_few_unsorted_rows_reduce_by_row_on_the_gpu_default(name, swiglu, monkeypatch):
-    """The Mosaic GPU default for up to ROW_REDUCE_MAX_M unsorted rows (one decode
-    token's k rows) of float weights, or of quantized ones the kernel does not take:
-    each row against its own group's weights (`grouped_matmul_rows`; quantized rows
-    dequantised as gathered), not the kernel (patched here to fail), against the oracle;
-    rows shuffled, rows of no group zero. The kernel still runs when forced."""
-    import jaxinfer.ops.grouped_matmul as gm
-    from jaxinfer.mosaic import grouped_matmul as mosaic_module
-
-    def kernel_ran(*args, **kwargs):
-        raise AssertionError("the Mosaic kernel ran")
-    monkeypatch.setattr(gm, "default_implementation", lambda: "mosaic_gpu")
-    monkeypatch.setattr(mosaic_module, "grouped_matmul_mgpu", kernel_ran)
-    case = CASES[name]
-    assert case.m <= gm.ROW_REDUCE_MAX_M
-    b = build(case)
-    rng = np.random.default_rng()
-    perm = rng.permutation(case.m)
-    group = np.repeat(np.arange(case.e + 1), np.append(b["sizes"], case.m - b["sizes"].sum()))
-    group = group[perm]
-    if case.m > 1:
-        group[rng.integers(case.m)] = case.e  # a padding token's row, routed nowhere
-    rows = jnp.arange(case.m, dtype=jnp.int32)
-    with jax.default_matmul_precision("highest"):
-        w = quantize(b["w"], case.fmt) if case.fmt else jnp.asarray(b["w"], case.dtype)
-        x = jnp.asarray(b["x"][perm], case.dtype)
-        spans = RowGroups(jnp.asarray(group, jnp.int32), rows, rows + 1)
-        y = jax.jit(functools.partial(gm.grouped_matmul, rows_sorted=False, swiglu=swiglu))(
-            x, w, jnp.asarray(b["sizes"]), row_groups=spans)
-        with pytest.raises(AssertionError, match="the Mosaic kernel ran"):
-            gm.grouped_matmul(x, w, jnp.asarray(b["sizes"]), row_groups=spans,
-                              rows_sorted=False, implementation="mosaic_gpu")
-    y = np.asarray(y.astype(jnp.float32), np.float64)
-    want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
-    if swiglu:
-        want, allowance = swiglu_oracle(case, want, allowance)
-    want, allowance = want[perm], allowance[perm]
-    want[group == case.e] = 0.0
-    assert y.shape == want.shape and np.isfinite(y).all()
-    assert (y[group == case.e] == 0).all(), "rows of no group must be zero"
-    err = np.abs(y - want)
-    worst = np.unravel_index(np.argmax(err - allowance), err.shape)
-    assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g} at {worst}"
+def test_row_reduce_needs_row_groups():
+    x = jnp.ones((4, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="row_reduce: needs row_groups"):
+        grouped_matmul(x, jnp.ones((2, 128, 256), jnp.bfloat16), jnp.array([2, 2]),
+                       implementation="row_reduce")
 
 
-def test_few_unsorted_quantized_rows_the_kernel_takes_run_it(monkeypatch):
-    """int8 / int4 experts at one decode token run the Mosaic kernel by default (faster
-    than their rows there), not `grouped_matmul_rows`."""
-    import jaxinfer.ops.grouped_matmul as gm
-    from jaxinfer.mosaic import grouped_matmul as mosaic_module
-
-    def kernel_ran(*args, **kwargs):
-        raise AssertionError("the Mosaic kernel ran")
-    monkeypatch.setattr(gm, "default_implementation", lambda: "mosaic_gpu")
-    monkeypatch.setattr(mosaic_module, "grouped_matmul_mgpu", kernel_ran)
-    monkeypatch.setattr(gm, "grouped_matmul_rows", lambda *a, **k: pytest.fail("rows ran"))
-    case = CASES["int8_decode"]
-    b = build(case)
-    rows = jnp.arange(case.m, dtype=jnp.int32)
-    spans = RowGroups(jnp.minimum(rows, case.e), rows, rows + 1)
-    for fmt in ("int8", "int4:g128"):
-        w = quantize(b["w"], fmt)
-        with pytest.raises(AssertionError, match="the Mosaic kernel ran"):
-            gm.grouped_matmul(jnp.asarray(b["x"], jnp.bfloat16), w, jnp.asarray(b["sizes"]),
-                              row_groups=spans, rows_sorted=False)
+def described(m: int, e: int, fmt: str | None = None, *, row_groups: bool = True,
+              rows_sorted: bool = True, dtype=jnp.bfloat16, n: int = 256,
+              k: int = 256) -> GroupedMatmulCall:
+    """The call grouped_matmul(x [m, K], W [e, N, K], ...) makes, W float in x's dtype (fmt
+    None) or quantized as fmt (described: shapes and dtypes only)."""
+    x = jax.ShapeDtypeStruct((m, k), dtype)
+    if fmt is None:
+        w = jax.ShapeDtypeStruct((e, n, k), dtype)
+    else:
+        f = parse_format(fmt)
+        g = f.group_size or k
+        scales = jax.ShapeDtypeStruct((e, k // g, n), jnp.float32)
+        w = QuantizedWeight(jax.ShapeDtypeStruct((e, n, k), VALUE_DTYPES[f.kind]), scales,
+                            scales if f.asymmetric else None, f.activations)
+    groups = RowGroups(*[jax.ShapeDtypeStruct((m,), jnp.int32)] * 3) if row_groups else None
+    return GroupedMatmulCall.describe(x, w, row_groups=groups, rows_sorted=rows_sorted)
 
 
-@pytest.mark.parametrize("m,by_row", [(16, True), (40, False)])
-def test_decode_rows_of_formats_the_kernel_dequantises_reduce_by_row(m, by_row, monkeypatch):
-    """MXFP4 experts (which the Mosaic kernel would dequantise whole first) on the GPU
-    default: up to min(E, QUANT_ROWS_MAX_M) rows given with their row groups (a decode
-    step's; sorted here) reduce by row, matching the reference; more rows run the kernel
-    (patched here to fail)."""
-    import jaxinfer.ops.grouped_matmul as gm
-    from jaxinfer.mosaic import grouped_matmul as mosaic_module
+# (call, the pick on Hopper, on TPU); CPUs and other GPUs pick the reference.
+PICKS = [
+    # One decode token's rows of float weights (unsorted, with their groups): by row.
+    (described(ROW_REDUCE_MAX_M, 8, rows_sorted=False), "row_reduce", "pallas_tpu"),
+    (described(1, 4, rows_sorted=False), "row_reduce", "pallas_tpu"),
+    (described(ROW_REDUCE_MAX_M + 1, 16, rows_sorted=False), "mosaic_gpu", "pallas_tpu"),
+    (described(8, 8), "mosaic_gpu", "pallas_tpu"),  # sorted float rows
+    (described(8, 8, row_groups=False), "mosaic_gpu", "pallas_tpu"),
+    # Decode rows of formats the Mosaic kernel would dequantise whole (MXFP4, zero points,
+    # groups of 32, fp8), up to min(E, QUANT_ROWS_MAX_M) rows, sorted or not: by row.
+    (described(16, 32, "mxfp4"), "row_reduce", "pallas_tpu"),
+    (described(33, 32, "mxfp4"), "mosaic_gpu", "pallas_tpu"),
+    (described(16, 32, "mxfp4", row_groups=False), "mosaic_gpu", "pallas_tpu"),
+    (described(QUANT_ROWS_MAX_M, 256, "fp8:weight-only"), "row_reduce", "pallas_tpu"),
+    (described(QUANT_ROWS_MAX_M + 8, 256, "fp8:weight-only"), "mosaic_gpu", "pallas_tpu"),
+    (described(8, 8, "int4:g32:asym", rows_sorted=False), "row_reduce", "pallas_tpu"),
+    # int8 / int4 experts the kernel upcasts in registers: the kernel, even at one token.
+    (described(8, 8, "int8", rows_sorted=False), "mosaic_gpu", "pallas_tpu"),
+    (described(1, 8, "int4:g128", rows_sorted=False), "mosaic_gpu", "pallas_tpu"),
+    # Inputs the kernels do not take: float32 rows (Mosaic), N not a multiple of 128 (TPU).
+    (described(40, 4, dtype=jnp.float32), "reference", "pallas_tpu"),
+    (described(40, 4, n=192), "mosaic_gpu", "reference"),
+]
 
-    def kernel_ran(*args, **kwargs):
-        raise AssertionError("the Mosaic kernel ran")
-    monkeypatch.setattr(gm, "default_implementation", lambda: "mosaic_gpu")
-    monkeypatch.setattr(mosaic_module, "grouped_matmul_mgpu", kernel_ran)
-    case = Case(m, 32, 128, 256, fmt="mxfp4")
-    assert (m <= min(case.e, gm.QUANT_ROWS_MAX_M)) == by_row
-    b = build(case)
-    w = quantize(b["w"], case.fmt)
-    x = jnp.asarray(b["x"], jnp.bfloat16)
-    sizes = jnp.asarray(b["sizes"])
-    spans = mosaic_module.build_row_items(sizes, m)
-    if not by_row:
-        with pytest.raises(AssertionError, match="the Mosaic kernel ran"):
-            gm.grouped_matmul(x, w, sizes, row_groups=spans)
-        return
-    y = np.asarray(jax.jit(gm.grouped_matmul)(x, w, sizes, row_groups=spans)
-                   .astype(jnp.float32), np.float64)
-    want, allowance = oracle(case, b["x"], stored_weights(case, w), b["sizes"])
-    assert np.isfinite(y).all()
-    assert (np.abs(y - want) <= allowance).all()
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "hopper", "tpu"])
+@pytest.mark.parametrize("case", range(len(PICKS)))
+def test_registry_picks(monkeypatch, platform, case):
+    call, on_hopper, on_tpu = PICKS[case]
+    monkeypatch.setattr(platform_module, "platform", lambda: platform)
+    reasons = REGISTRY.reasons(call)
+    want = dict(hopper=on_hopper, tpu=on_tpu).get(platform, "reference")
+    assert REGISTRY.pick(call).name == want, reasons
+    # Everything preferred to the pick says why not; a forced name is taken as it is.
+    for name in REGISTRY.names[:REGISTRY.names.index(want)]:
+        assert reasons[name], name
+    assert REGISTRY.pick(call, "mosaic_gpu").name == "mosaic_gpu"
+
+
+def test_row_reduce_reasons_name_the_rule(monkeypatch):
+    monkeypatch.setattr(platform_module, "platform", lambda: "hopper")
+    reasons = REGISTRY.reasons(described(ROW_REDUCE_MAX_M + 1, 16, rows_sorted=False))
+    assert "ROW_REDUCE_MAX_M" in reasons["row_reduce"]
+    assert "QUANT_ROWS_MAX_M" in REGISTRY.reasons(described(33, 32, "mxfp4"))["row_reduce"]
+    assert "upcasts" in REGISTRY.reasons(described(8, 8, "int8"))["row_reduce"]
 
 
 def test_group_sizes_of_every_kind_are_drawn():

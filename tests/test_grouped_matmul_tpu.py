@@ -16,8 +16,9 @@ import quant_cases
 from grouped_cases import Case, build, oracle, stored_weights
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxinfer.ops.grouped_matmul import grouped_matmul
+from jaxinfer.ops.grouped_matmul_registry import grouped_matmul
 from jaxinfer.ops.quant import quantize
+from jaxinfer.pallas_kernels import grouped_matmul as pallas_tpu_kernel
 from jaxinfer.pallas_kernels.grouped_matmul import (
     grouped_matmul_tpu,
     unsupported_reason,
@@ -154,9 +155,7 @@ def test_lowers_to_mosaic_with_tpu_blocks(fmt, monkeypatch):
     compiler, which needs a TPU)."""
     from jax import export
 
-    from jaxinfer.pallas_kernels import grouped_matmul as module
-
-    monkeypatch.setattr(module, "_on_tpu", lambda: True)
+    monkeypatch.setattr(pallas_tpu_kernel, "running_on_tpu", lambda: True)
     w = np.random.default_rng(0).standard_normal((4, 512, 512)).astype(np.float32)
     w = quantize(w, fmt) if fmt else jnp.asarray(w, jnp.bfloat16)
     x = jax.ShapeDtypeStruct((96, 512), jnp.bfloat16)

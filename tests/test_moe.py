@@ -108,15 +108,12 @@ def test_quantized_experts_stay_close_to_float(hf_models, tmp_path, fmt, toleran
     assert together == [llm.generate([p], params)[0].token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("ranks", [True, False], ids=["ranks", "top_k"])
 @pytest.mark.parametrize("shape,k", [((5, 8), 3), ((16, 128), 8)])
-def test_router_weightings(monkeypatch, ranks, shape, k):
-    """Both ways to the top k (ranks at decode sizes, `lax.top_k` beyond) against a float64
-    oracle, on random logits and on small integers (many ties: the lower expert first),
-    each also with a per-token logit scale (a router holding its norm's scale)."""
-    import jaxinfer.models.moe as moe
-
-    monkeypatch.setattr(moe, "RANK_TOP_K_MAX", 1 << 30 if ranks else 0)
+def test_router_weightings(shape, k):
+    """The router's weights and experts against a float64 oracle, on random logits and on
+    small integers (many ties: the lower expert first), each also with a per-token logit
+    scale (a router holding its norm's scale). (Each way to the top k is checked against
+    numpy in test_expert_routing.py.)"""
     key = jax.random.key(np.random.randint(1 << 30))
     tied = jax.random.randint(key, shape, -2, 3).astype(jnp.float32)
     scale = jnp.exp(jax.random.normal(jax.random.fold_in(key, 1), (shape[0], 1)))
@@ -135,31 +132,6 @@ def test_router_weightings(monkeypatch, ranks, shape, k):
             np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-5)
     assert route(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32), 3, True)[0].dtype \
         == jnp.float32
-
-
-@pytest.mark.parametrize("ranks", [True, False], ids=["ranks", "sort"])
-def test_pair_sort_against_numpy(monkeypatch, ranks):
-    """Both ways to sort the pairs (compare-sums at decode sizes, a sort beyond) against
-    numpy's stable argsort, with pairs routed nowhere (expert L, last)."""
-    import jaxinfer.models.moe as moe
-    from jaxinfer.mosaic.grouped_matmul import build_row_items
-
-    monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 1 << 30 if ranks else 0)
-    rng = np.random.default_rng(np.random.randint(1 << 30))
-    for pairs, num_local in [(8, 128), (96, 16), (40, 3)]:
-        local = rng.integers(0, num_local + 1, pairs).astype(np.int32)
-        order, sorted_local, pair_row, groups = moe._sort_pairs(jnp.asarray(local), num_local)
-        order, sorted_local, pair_row = (np.asarray(a) for a in (order, sorted_local, pair_row))
-        want = np.argsort(local, kind="stable")
-        np.testing.assert_array_equal(order, want)
-        np.testing.assert_array_equal(sorted_local, local[want])
-        np.testing.assert_array_equal(order[pair_row], np.arange(pairs))
-        if ranks:  # each row's group span, as the grouped matmul would build it
-            sizes = np.bincount(local, minlength=num_local + 1)[:num_local]
-            for a, b in zip(groups, build_row_items(jnp.asarray(sizes), pairs), strict=True):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        else:
-            assert groups is None
 
 
 def test_padding_tokens_route_nowhere(monkeypatch):
@@ -185,15 +157,21 @@ def test_padding_tokens_route_nowhere(monkeypatch):
                                atol=1e-6)
 
 
-def _block_through(monkeypatch, layer, args, implementation, platform, calls, key):
+def _block_through(monkeypatch, layer, args, implementation, platform, calls, key,
+                   picked=None):
     """layer(*args) as float32 numpy, on `platform`, with every grouped matmul of the MoE
-    block forced to `implementation`; appends each call's keyword `key` to calls."""
+    block forced to `implementation` (None: the registry's pick); appends each call's
+    keyword `key` to calls, and the implementation that ran to `picked`."""
     import jaxinfer.models.moe as moe
-    import jaxinfer.ops.grouped_matmul as gm
+    from jaxinfer.ops import grouped_matmul_registry as gmr
+    from jaxinfer.ops.grouped_matmul import GroupedMatmulCall
 
     def call(x, w, sizes, **kw):
         calls.append(kw[key])
-        return gm.grouped_matmul(x, w, sizes, implementation=implementation, **kw)
+        if picked is not None:
+            picked.append(gmr.REGISTRY.pick(GroupedMatmulCall.describe(x, w, **kw),
+                                            implementation).name)
+        return gmr.grouped_matmul(x, w, sizes, implementation=implementation, **kw)
 
     monkeypatch.setattr(moe, "grouped_matmul", call)
     with jax.default_device(jax.devices(platform)[0]):
@@ -206,81 +184,53 @@ def _block_through(monkeypatch, layer, args, implementation, platform, calls, ke
 def test_one_token_rows_in_router_order(monkeypatch, live, implementation, platform):
     """At one token the MoE block skips the pair sort: its k rows stay in the router's
     order, each a group of its own (`rows_sorted=False`). Through the Mosaic grouped matmul
-    (interpret mode on the CPU), or on the GPU through the default dispatch (which reduces
-    each row against its expert's weights, `grouped_matmul_rows`), the block matches the
-    same block through jax's `ragged_dot` (the reference, which gets the rows sorted); a
-    padding token's output is zero."""
+    (interpret mode on the CPU), or on the GPU through the registry's pick (which reduces
+    each row against its expert's weights, `row_reduce`), the block matches the same block
+    through jax's `ragged_dot` (the reference, which gets the rows sorted); a padding
+    token's output is zero."""
     import dataclasses
 
     from flax import nnx
 
     import jaxinfer.models.moe as moe
-    import jaxinfer.ops.grouped_matmul as gm
     from jaxinfer.loading.presets import preset_config
 
-    row_calls = []
-    real_rows = gm.grouped_matmul_rows
-    monkeypatch.setattr(gm, "grouped_matmul_rows",
-                        lambda *a, **kw: row_calls.append(1) or real_rows(*a, **kw))
     config = dataclasses.replace(preset_config("tiny-moe"), moe_intermediate_size=64)
     layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
                           (1, config.hidden_size)).astype(jnp.bfloat16)
-    calls = []
+    calls, picked = [], []
     want, got = (_block_through(monkeypatch, layer, (x, jnp.array([live])), impl, platform,
-                                calls, "rows_sorted")
+                                calls, "rows_sorted", picked)
                  for impl in ("reference", implementation))
     assert calls == [False] * 4
-    assert len(row_calls) == (2 if implementation is None else 0)
+    assert picked == ["reference"] * 2 + [implementation or "row_reduce"] * 2
     assert np.isfinite(got).all()
     if not live:
         assert (got == 0).all() and (want == 0).all()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-def test_aligned_layout_against_numpy():
-    """Prefill's layout (`_align_groups`): each expert's rows start on a multiple of 8, in
-    sorted order, with its size rounded up to 8; pairs routed nowhere come last; the pad
-    rows hold expert L."""
+def _force_aligned_rows(monkeypatch):
+    """Every MoE block lays its pairs out in the aligned layout, whatever their number."""
     import jaxinfer.models.moe as moe
+    from jaxinfer.ops import expert_routing
 
-    # Taken from 28 pairs an expert (padding <= 25%) beyond the rank sort's sizes.
-    assert moe.aligns_groups(3584, 128) and not moe.aligns_groups(3576, 128)
-    assert moe.aligns_groups(1026, 8) and not moe.aligns_groups(1024, 8)
-    rng = np.random.default_rng(np.random.randint(1 << 30))
-    for pairs, num_local in [(96, 16), (40, 3), (300, 128)]:
-        local = rng.integers(0, num_local + 1, pairs).astype(np.int32)
-        sizes = np.bincount(local, minlength=num_local + 1)[:num_local]
-        _, _, pair_row, _ = moe._sort_pairs(jnp.asarray(local), num_local)
-        order, row_local, pair_row, padded = (np.asarray(a) for a in moe._align_groups(
-            pair_row, jnp.asarray(local), jnp.asarray(sizes, jnp.int32)))
-        assert (padded % 8 == 0).all() and (padded >= sizes).all() and (padded < sizes + 8).all()
-        nowhere = (local == num_local).sum()
-        assert order.shape[0] % 8 == 0 and order.shape[0] >= padded.sum() + nowhere
-        np.testing.assert_array_equal(order[pair_row], np.arange(pairs))
-        np.testing.assert_array_equal(row_local[pair_row], local)
-        starts = np.concatenate([[0], np.cumsum(padded)])
-        want_row = np.empty(pairs, np.int64)
-        for g in range(num_local + 1):  # each group's pairs, in pair order, from its start
-            mine = np.flatnonzero(local == g)
-            want_row[mine] = starts[g] + np.arange(mine.size)
-        np.testing.assert_array_equal(pair_row, want_row)
-        pads = np.setdiff1d(np.arange(order.shape[0]), pair_row)
-        assert (row_local[pads] == num_local).all()
+    monkeypatch.setattr(moe, "expert_rows", lambda *args, **kw: expert_routing.expert_rows(
+        *args, implementation="aligned", **kw))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_prefill_aligned_rows_match_hf(hf_models, monkeypatch, family):
     """The layout of large prefill steps (each expert's group padded to a multiple of 8
-    rows, `_align_groups`, where `aligns_groups`), forced here at 40 tokens: float32 logits match
-    HF's, and the grouped matmuls are told that the groups are aligned. (gpt-oss: expert
-    biases, gathered for the pad rows too.)"""
+    rows: `expert_rows`' "aligned", where `aligns_groups`), forced here at 40 tokens:
+    float32 logits match HF's, and the grouped matmuls are told that the groups are aligned.
+    (gpt-oss: expert biases, gathered for the pad rows too.)"""
     from transformers import AutoModelForCausalLM
 
     import jaxinfer.models.moe as moe
 
-    monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 0)
-    monkeypatch.setattr(moe, "ALIGN_MIN_PAIRS_PER_GROUP", 0)
+    _force_aligned_rows(monkeypatch)
     seen, real = [], moe.grouped_matmul
     monkeypatch.setattr(moe, "grouped_matmul", lambda x, w, sizes, **kw: seen.append(
         (kw["groups_aligned"], x.shape[0])) or real(x, w, sizes, **kw))
@@ -297,7 +247,7 @@ def test_prefill_aligned_rows_match_hf(hf_models, monkeypatch, family):
     ("mosaic_gpu", "cpu"), pytest.param(None, "gpu", marks=pytest.mark.gpu)])
 def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, platform):
     """The aligned prefill layout through the Mosaic grouped matmul (interpret mode on the
-    CPU; the default dispatch on the GPU), where it stores whole 8-row tiles: the block
+    CPU; the registry's pick on the GPU), where it stores whole 8-row tiles: the block
     matches the same block through jax's `ragged_dot` (the reference)."""
     import dataclasses
 
@@ -306,8 +256,7 @@ def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, pl
     import jaxinfer.models.moe as moe
     from jaxinfer.loading.presets import preset_config
 
-    monkeypatch.setattr(moe, "RANK_SORT_MAX_PAIRS", 0)
-    monkeypatch.setattr(moe, "ALIGN_MIN_PAIRS_PER_GROUP", 0)
+    _force_aligned_rows(monkeypatch)
     config = dataclasses.replace(preset_config("tiny-moe"), hidden_size=128,
                                  moe_intermediate_size=128)
     layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
@@ -328,7 +277,7 @@ def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, pl
 def test_quantized_experts_through_the_kernel(monkeypatch, tokens, fmt, implementation,
                                               platform):
     """int8 / int4 expert stacks through the Mosaic grouped matmul, which upcasts them in
-    registers (interpret mode on the CPU; the default dispatch on the GPU), at one token
+    registers (interpret mode on the CPU; the registry's pick on the GPU), at one token
     (the router's order, silu(gate) * up in the epilogue) and at five (sorted rows): the
     block matches the same block through jax's `ragged_dot` on the dequantised stacks
     (the reference)."""

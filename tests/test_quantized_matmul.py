@@ -1,5 +1,6 @@
-"""Quantized weights: quantise-dequantise bounds per format, and every `quantized_matmul`
-implementation against an independent float64 oracle (cases in quant_cases.py).
+"""Quantized weights: quantise-dequantise bounds per format, and every implementation of
+the linear op (`jaxinfer.ops.linear_registry`) on quantized weights against an independent
+float64 oracle (cases in quant_cases.py).
 
 Kernels run in interpret mode on the CPU (Mosaic GPU: uninitialised memory reads
 as NaN, so an unwritten output element fails) and natively under `pytest -m gpu`.
@@ -8,7 +9,6 @@ as NaN, so an unwritten output element fails) and natively under `pytest -m gpu`
 from __future__ import annotations
 
 import functools
-import importlib
 import re
 
 import jax
@@ -18,39 +18,51 @@ import pytest
 from quant_cases import CASES, Case, build, oracle, stored_weight
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.mosaic import quantized_matmul as mosaic_gpu_kernel
+from jaxinfer.ops.linear_registry import REGISTRY, linear
 from jaxinfer.ops.quant import QuantizedWeight, dequantize, error_bound, parse_format, quantize
-from jaxinfer.ops.quantized_matmul import quantized_matmul
+from jaxinfer.pallas_kernels import quantized_matmul as pallas_tpu_kernel
 
 gpu = pytest.mark.gpu
-# (implementation, platform): kernels run in interpret mode on the CPU.
+# (implementation, platform): every implementation the registry lists, kernels in
+# interpret mode on the CPU.
 BACKENDS = [
-    ("reference", "cpu"), pytest.param("reference", "gpu", marks=gpu),
-    ("mosaic_gpu", "cpu"), pytest.param("mosaic_gpu", "gpu", marks=gpu),
-    ("pallas_tpu", "cpu"),
+    *((name, "cpu") for name in REGISTRY.names),
+    pytest.param("reference", "gpu", marks=gpu), pytest.param("mosaic_gpu", "gpu", marks=gpu),
 ]
+KERNELS = {"mosaic_gpu": mosaic_gpu_kernel, "pallas_tpu": pallas_tpu_kernel}
 
 
-def unsupported_reason(implementation: str, x, qw) -> str | None:
+def refusal(implementation: str, x, qw) -> str | None:
+    """Why `implementation`, forced, refuses these inputs (it raises ValueError saying so),
+    or None."""
+    if implementation == "one_row_reduce":
+        return "takes float weights"
     if implementation == "reference":
         return None
-    module = importlib.import_module({"mosaic_gpu": "jaxinfer.mosaic.quantized_matmul",
-                                      "pallas_tpu": "jaxinfer.pallas_kernels.quantized_matmul"}
-                                     [implementation])
-    return module.unsupported_reason(x, qw)
+    return KERNELS[implementation].unsupported_reason(x, qw)
+
+
+def test_every_implementation_is_tested():
+    assert set(REGISTRY.names) == {"one_row_reduce", "reference", *KERNELS}
 
 
 def run(case: Case, implementation: str, platform: str):
+    """(inputs, weight, y as float64) of the case through `implementation`; None where it
+    refuses them (after checking that it says so) and runs on the CPU. On the GPU a
+    refused case runs the registry's pick instead."""
     b = build(case)
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
         qw = quantize(b["w"], case.fmt)
         x = jnp.asarray(b["x"], case.dtype)
-        reason = unsupported_reason(implementation, x, qw)
+        reason = refusal(implementation, x, qw)
         if reason is not None:
-            # A forced kernel says why it cannot; the default dispatch falls back to XLA.
             with pytest.raises(ValueError, match=re.escape(reason)):
-                quantized_matmul(x, qw, implementation=implementation)
+                linear(x, qw, implementation=implementation)
+            if platform == "cpu":  # the pick there is the reference, tested on its own
+                return None
             implementation = None
-        fn = jax.jit(functools.partial(quantized_matmul, implementation=implementation))
+        fn = jax.jit(functools.partial(linear, implementation=implementation))
         y = fn(x, qw)
     assert y.dtype == x.dtype and y.shape == (case.m, case.n)
     return b, qw, np.asarray(y.astype(jnp.float32), np.float64)
@@ -60,7 +72,9 @@ def run(case: Case, implementation: str, platform: str):
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_oracle(name, implementation, platform):
     case = CASES[name]
-    b, qw, y = run(case, implementation, platform)
+    if (result := run(case, implementation, platform)) is None:
+        return
+    b, qw, y = result
     assert np.isfinite(y).all(), f"non-finite outputs at {np.argwhere(~np.isfinite(y))[:5]}"
     want, allowance = oracle(case, b["x"], qw)
     err = np.abs(y - want)
@@ -126,9 +140,9 @@ def test_group_must_divide_k():
 def test_leading_dims_and_feature_check():
     qw = quantize(build(Case("int8", 1, 128, 256))["w"], "int8")
     x = jnp.ones((2, 3, 256), jnp.bfloat16)
-    assert quantized_matmul(x, qw, implementation="reference").shape == (2, 3, 128)
+    assert linear(x, qw, implementation="reference").shape == (2, 3, 128)
     with pytest.raises(ValueError, match="x has 255 features, the weight 256"):
-        quantized_matmul(jnp.ones((1, 255), jnp.bfloat16), qw)
+        linear(jnp.ones((1, 255), jnp.bfloat16), qw)
 
 
 def test_weight_is_a_pytree_with_static_activation_mode():
@@ -152,15 +166,13 @@ MOSAIC_CONFIGS = {
 @pytest.mark.parametrize("name", ["int8_m200", "int4_g128_m16", "int4_g32_asym_m2"])
 def test_mosaic_configs(name, config, platform):
     """The Mosaic kernel's tilings (consumers, split-K, ring depth, token tiles over
-    several M tiles, which the default dispatch sends to XLA) agree too."""
-    from jaxinfer.mosaic.quantized_matmul import Config, quantized_matmul_mgpu
-
+    several M tiles, which the registry sends to XLA) agree too."""
     case = CASES[name]
     b = build(case)
     with jax.default_device(jax.devices(platform)[0]):
         qw = quantize(b["w"], case.fmt)
-        cfg = Config(**{**dict(tile_m=16), **MOSAIC_CONFIGS[config]})
-        y = jax.jit(functools.partial(quantized_matmul_mgpu, config=cfg))(
+        cfg = mosaic_gpu_kernel.Config(**{**dict(tile_m=16), **MOSAIC_CONFIGS[config]})
+        y = jax.jit(functools.partial(mosaic_gpu_kernel.quantized_matmul_mgpu, config=cfg))(
             jnp.asarray(b["x"], case.dtype), qw)
     y = np.asarray(y.astype(jnp.float32), np.float64)
     want, allowance = oracle(case, b["x"], qw)

@@ -17,7 +17,9 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli.main import cli
 from jaxinfer.loading.checkpoint import convert
 from jaxinfer.loading.gguf_source import GGUFSource, decode_blocks
-from jaxinfer.models.layers import is_quantizable
+from jaxinfer.models import inference_form
+from jaxinfer.models.inference_form import checkpoint_params
+from jaxinfer.models.layers import RMSNorm, is_quantizable
 from jaxinfer.ops.quant import VALUE_DTYPES, QuantizedWeight, dequantize
 
 from .conftest import VOCAB, make_hf_model
@@ -137,8 +139,11 @@ def test_tiny_quantized_conversions(family, hf_models, tmp_path):
         assert _disk_bytes(out) < _disk_bytes(float_dir)
 
         llm = LLM(out, kv_cache_bytes=KV_BYTES)
-        qkv_proj = llm.model.layers[0].attn.qkv_proj  # q/k/v joined by the runner
-        assert qkv_proj.quantized and qkv_proj.activations == ("fp8" if fmt == "fp8" else None)
+        layer = llm.model.layers[0]
+        qkv = layer.attn.qkv_proj.linears  # q/k/v of one format: joined by the loader
+        assert len(qkv) == 1 and qkv[0].quantized
+        assert qkv[0].activations == ("fp8" if fmt == "fp8" else None)
+        assert type(layer.input_norm) is RMSNorm  # quantized weights keep their values
         assert not hasattr(llm.model.embed.embedding, "weight_scale")
         logits = llm.logits(prompts)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref, strict=True))
@@ -156,7 +161,8 @@ def test_old_model_config_without_quantization_loads(hf_models, tmp_path):
     del cfg["quantization"]
     (out / "model_config.json").write_text(json.dumps(cfg))
     llm = LLM(out, kv_cache_bytes=KV_BYTES)
-    assert llm.config.quantization is None and not llm.model.layers[0].mlp.gate_up_proj.quantized
+    assert llm.config.quantization is None
+    assert not llm.model.layers[0].mlp.gate_up_proj.linears[0].quantized
 
 
 # --- SmolLM2: logits and perplexity of int8 / int4 / the GGUF's own int4 vs bf16 -----------------
@@ -178,13 +184,11 @@ BF16_MAX_PERPLEXITY = 40.0
 
 @pytest.mark.slow
 def test_smollm2_quantized_logits_and_perplexity(smollm2_gguf, tmp_path, monkeypatch):
-    # The runner folds RMSNorm scales into float projections only (bf16 here, not the
+    # The loader folds RMSNorm scales into float projections only (bf16 here, not the
     # quantized ones): a different, equally accurate bf16 rounding (bench/NOTES.md, serving
     # engine v4) that would hide the GGUF's exact match. Unfolded, every variant computes
     # the same arithmetic but for its weights.
-    from jaxinfer.models.layers import RMSNorm
-
-    monkeypatch.setattr(RMSNorm, "fold_into", lambda self, layers: None)
+    monkeypatch.setattr(inference_form, "foldable", lambda layers: False)
     variants = {"bf16": "none", "int8": "int8", "int4:g64": "int4:g64", "gguf": None}
     results, ids = {}, None
     for name, quantize in variants.items():
@@ -217,9 +221,8 @@ def test_smollm2_quantized_logits_and_perplexity(smollm2_gguf, tmp_path, monkeyp
     # Loading the .gguf itself (no convert) keeps the same native int4 weights.
     direct = LLM(smollm2_gguf, dtype="bfloat16", kv_cache_bytes=KV_BYTES)
     assert direct.config.quantization == "gguf"
-    attn = direct.model.layers[0].attn  # q/k/v joined by the runner when of one format
-    proj = attn.q_proj if attn.qkv_proj is None else attn.qkv_proj
-    assert proj.quantized_weight().offsets is not None
+    for proj in direct.model.layers[0].attn.qkv_proj.linears:  # joined if of one format
+        assert proj.quantized_weight().offsets is not None
     np.testing.assert_array_equal(direct.logits([ids])[0], results["gguf"][0])
 
 
@@ -286,33 +289,33 @@ def test_quantized_checkpoint_with_bad_scales_or_format(hf_models, tmp_path):
     _fails_cleanly(["generate", "--model", out, "--prompt", "hi"], "model_config.json")
 
 
-def test_preset_quantized_projections_round_their_float_weights():
+def test_preset_quantized_projections_round_their_float_weights(monkeypatch):
     """`random_model(..., quantize=)` (what `bench --preset --quantize` runs): every
     decoder-block projection, expert stacks included, is stored in the format and
     dequantises to the float preset's weight of the same seed within the format's rounding
-    bound; every other parameter is the float preset's own."""
+    bound; every other parameter is the float preset's own. (Compared as checkpoint
+    tensors, with the norm scales left unfolded in both.)"""
     import jax.numpy as jnp
-    from flax import nnx
 
     from jaxinfer.loading.presets import preset_config, random_model
     from jaxinfer.ops.quant import error_bound
 
+    monkeypatch.setattr(inference_form, "foldable", lambda layers: False)
     config = preset_config("tiny-moe")
-    plain = dict(nnx.state(random_model(config, jnp.float32), nnx.Param).flat_state())
+    plain = checkpoint_params(random_model(config, jnp.float32))
     model = random_model(config, jnp.float32, quantize="int4:g32")
     assert model.config.quantization == "int4:g32"
-    quant = dict(nnx.state(model, nnx.Param).flat_state())
+    quant = checkpoint_params(model)
+    assert set(quant) == set(plain) | {k + "_scale" for k in plain if is_quantizable(k)}
     projections = 0
-    for path, var in plain.items():
-        key = ".".join(map(str, path))
+    for key, var in plain.items():
         if not is_quantizable(key):
-            np.testing.assert_array_equal(np.asarray(quant[path][...]), np.asarray(var[...]))
+            np.testing.assert_array_equal(np.asarray(quant[key]), np.asarray(var))
             continue
         projections += 1
-        scale_path = (*path[:-1], "weight_scale")
-        w = QuantizedWeight(quant[path][...], quant[scale_path][...])
+        w = QuantizedWeight(quant[key], quant[key + "_scale"])
         assert w.kind == "int4" and w.group_size == 32, key
-        want = np.asarray(var[...])
+        want = np.asarray(var)
         stack = [w] if w.values.ndim == 2 else [w.expert(e) for e in range(w.shape[0])]
         got = np.asarray(dequantize(w)).reshape(-1, *want.shape[-2:])
         for e, we in enumerate(stack):

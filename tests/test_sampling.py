@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.engine.sampling import SamplingParams, SamplingTensors, sample, token_counts
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.engine.sampling import SamplingTensors, logprobs_of, sample, token_counts
 from jaxinfer.errors import JaxinferError
 
 _sample = jax.jit(sample)
@@ -299,8 +300,6 @@ def test_penalties_match_numpy():
 
 
 def test_logprobs_are_raw_log_softmax():
-    from jaxinfer.engine.sampling import logprobs_of
-
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((5, 300)).astype(np.float32) * 4
     tokens = rng.integers(0, 300, 5).astype(np.int32)

@@ -26,6 +26,9 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxinfer.engine.engine import EngineInterface, EngineStats
+from jaxinfer.engine.request import RequestDelta
+
 from .conftest import VOCAB
 
 PAGE = 16
@@ -537,17 +540,36 @@ class _FakeRequest:
         return self.finish_reason is not None
 
 
-class _FakeEngine:
+class _FakeEngine(EngineInterface):
     """Counts up from the prompt's last token; a prompt containing 13 makes step() raise."""
 
-    def __init__(self):
-        from types import SimpleNamespace
+    max_model_len, max_num_seqs, max_num_batched_tokens, decode_steps = 64, 8, 64, 1
 
-        self.waiting, self.running = [], []
-        self.allocator = SimpleNamespace(num_pages=8, num_free=8)
-        self.prefix_query_tokens = self.prefix_hit_tokens = self.num_preemptions = 0
-        self.num_computed_tokens = 0
+    def __init__(self):
+        self._running: list[_FakeRequest] = []
         self._next = 0
+
+    @property
+    def runners(self):
+        return []
+
+    @property
+    def waiting(self):
+        return []
+
+    @property
+    def running(self):
+        return self._running
+
+    @property
+    def last_batch(self):
+        return []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self._running), num_pages=8, num_free_pages=8)
+
+    def logits(self, prompts):
+        raise NotImplementedError("the server does not call it")
 
     def validate(self, prompt_ids, params):
         pass
@@ -555,29 +577,27 @@ class _FakeEngine:
     def add_request(self, prompt_ids, params):
         req = _FakeRequest(self._next, prompt_ids, params)
         self._next += 1
-        self.running.append(req)
+        self._running.append(req)
         return req
 
     def has_unfinished(self):
-        return bool(self.running)
+        return bool(self._running)
 
     def step(self):
-        from jaxinfer.engine.engine import RequestDelta
-
-        if any(13 in r.prompt_ids for r in self.running):
+        if any(13 in r.prompt_ids for r in self._running):
             raise RuntimeError("boom")
         deltas = []
-        for r in list(self.running):
+        for r in list(self._running):
             r.output_ids.append((r.prompt_ids + r.output_ids)[-1] + 1)
             if len(r.output_ids) >= r.params.max_tokens:
                 r.finish_reason = "length"
-                self.running.remove(r)
+                self._running.remove(r)
             deltas.append(RequestDelta(r, r.output_ids[-1:], "", None, r.finished))
         return deltas
 
     def abort(self, req):
-        if req in self.running:
-            self.running.remove(req)
+        if req in self._running:
+            self._running.remove(req)
         req.finish_reason = req.finish_reason or "abort"
 
 

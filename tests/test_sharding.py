@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli.main import cli
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.engine import ReplicatedEngine
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.checkpoint import convert
 from jaxinfer.loading.presets import preset_config
@@ -65,11 +66,11 @@ def test_dense_tensor_parallel_logits(hf_models, unsharded_logits, mesh):
     tp = MeshSpec.parse(mesh).tp
     assert llm.runner.mesh.size == tp
     assert llm.config.num_kv_heads == max(2, tp)
-    attn = llm.model.layers[0].attn  # q/k/v joined per shard by the runner
-    qkv = attn.qkv_proj.weight[...]
+    attn = llm.model.layers[0].attn  # q/k/v joined per shard by the loader
+    qkv = attn.qkv_proj.linears[0].weight[...]
     assert len(qkv.sharding.device_set) == tp
     assert {s.data.shape for s in qkv.addressable_shards} == {(qkv.shape[0] // tp, qkv.shape[1])}
-    assert attn.qkv_sizes == (4 * 16, max(2, tp) * 16, max(2, tp) * 16)
+    assert attn.qkv_proj.sizes == (4 * 16, max(2, tp) * 16, max(2, tp) * 16)
     k_pages = llm.runner.kv_cache[0][0]
     assert {s.data.shape[2] for s in k_pages.addressable_shards} == {llm.config.num_kv_heads // tp}
     got = llm.logits(prompts)
@@ -120,11 +121,11 @@ def test_engine_greedy_text_sharded(hf_models, family, mesh):
     want = [o.token_ids for o in LLM(hf_models[family], **kw).generate(prompts, params)]
     llm = LLM(hf_models[family], mesh=mesh, **kw)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    engines = getattr(llm.engine, "engines", [llm.engine])
-    assert len(engines) == MeshSpec.parse(mesh).dp
+    engines = llm.engine.engines if isinstance(llm.engine, ReplicatedEngine) else [llm.engine]
+    assert len(engines) == len(llm.engine.runners) == MeshSpec.parse(mesh).dp
     if len(engines) > 1:  # both replicas took requests
         assert all(e.num_steps > 0 for e in engines)
-    assert all(e.allocator.num_free == e.runner.num_pages for e in engines)
+    assert all(e.stats().num_free_pages == e.runner.num_pages for e in engines)
 
 
 def test_mesh_spec_parse_and_errors():
@@ -273,51 +274,117 @@ def test_two_processes_cli_generate(hf_models):
     assert outs[1] == ""
 
 
-@pytest.mark.parametrize("preset, mesh", [("tiny", "tp=1"), ("tiny", "tp=2"),
-                                          ("tiny", "tp=4"), ("tiny-moe", "tp=2,ep=2")])
-def test_fused_projections_compute_the_separate_ones(preset, mesh):
-    """`Decoder.fuse_projections` (q/k/v and gate/up as one GEMM each, joined per shard, and
-    the norms folded into them; the runner's model): the same hidden states as the separate
-    projections behind their norms, on every mesh (tp=4 > 2 KV heads: the repeated k/v
-    rows join too). The norm scales are drawn at random (a model's start as ones), so a
-    scale folded into the wrong axis, or not applied, fails."""
+def _logits(model, mesh, tokens: list[int]) -> np.ndarray:
+    """float32 logits [T, vocab] of one sequence of T tokens through `model` (placed on
+    `mesh`) from an empty cache, one jitted forward."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxinfer.loading.presets import random_model
     from jaxinfer.ops.attention import AttentionMetadata
 
+    c, T, page = model.config, len(tokens), 8
+    pages = -(-T // page)
+    md = AttentionMetadata(cu_q_lens=jnp.array([0, T]), kv_lens=jnp.array([T]),
+                           page_indices=jnp.arange(pages)[None], num_seqs=jnp.array([1]))
+    kv = [(jnp.zeros((pages + 1, page, c.num_kv_heads, c.head_dim)),) * 2
+          for _ in range(c.num_layers)]
+    graphdef, state = nnx.split(model)
+
+    def forward(state):
+        m = nnx.merge(graphdef, state)
+        return m.logits(m(jnp.asarray(tokens, jnp.int32), jnp.arange(T), kv, md)[0])
+
+    with jax.set_mesh(mesh):
+        return np.asarray(jax.jit(forward)(state))
+
+
+@pytest.mark.parametrize("preset, mesh", [("tiny", "tp=1"), ("tiny", "tp=2"),
+                                          ("tiny", "tp=4"), ("tiny-moe", "tp=2,ep=2")])
+def test_inference_form_computes_the_checkpoint_projections(monkeypatch, preset, mesh):
+    """`inference_model` (q/k/v and gate/up joined per shard into one GEMM each, the norm
+    scales folded into them or into the MoE router) computes what the same checkpoint
+    tensors compute unjoined (one Linear per projection, concatenated per shard for
+    attention) behind plain norms, on every mesh (tp=4 > 2 KV heads: the repeated k/v rows
+    join too). The norm scales are drawn from [0.5, 2] (a checkpoint's start as ones), so a
+    scale folded into the wrong axis, or not applied, fails."""
+    from jaxinfer.loading.checkpoint import model_placer
+    from jaxinfer.models import inference_form, layers
+    from jaxinfer.models.inference_form import checkpoint_layout, inference_model
+    from jaxinfer.models.layers import FoldedRMSNorm, RMSNorm
+    from jaxinfer.models.moe import FoldedRouter, Router
+
+    config = preset_config(preset)
     jax_mesh = MeshSpec.parse(mesh).meshes()[0]
-    model = random_model(preset_config(preset), jnp.float32, seed=3, mesh=jax_mesh)
-    c = model.config
-    tokens = jnp.asarray(_prompts(lengths=(21,))[0], jnp.int32)
-    md = AttentionMetadata(cu_q_lens=jnp.array([0, 21]), kv_lens=jnp.array([21]),
-                           page_indices=jnp.arange(4)[None], num_seqs=jnp.array([1]))
-    kv = [(jnp.zeros((5, 8, c.num_kv_heads, c.head_dim)),) * 2 for _ in range(c.num_layers)]
-
-    def hidden(model):
-        graphdef, state = nnx.split(model)
-        with jax.set_mesh(jax_mesh):
-            return np.asarray(jax.jit(lambda s: nnx.merge(graphdef, s)(
-                tokens, jnp.arange(21), kv, md)[0])(state))
-
+    placer = model_placer(config, jax_mesh)
     rng = np.random.default_rng(7)
-    for layer in model.layers:
-        for norm in (layer.input_norm, layer.post_attn_norm):
-            scale = norm.scale[...]
-            norm.scale = nnx.Param(jax.device_put(
-                rng.uniform(0.5, 2.0, scale.shape).astype(np.float32), scale.sharding),
-                axes=norm.scale.get_metadata()["axes"])
-    separate = hidden(model)
-    model.fuse_projections()
+    tensors = {key: (rng.uniform(0.5, 2.0, t.shape) if len(t.shape) == 1  # norm scales
+                     else rng.normal(0, 0.05, t.shape)).astype(np.float32)
+               for key, t in checkpoint_layout(config).items()}
+
+    def build():
+        return inference_model(placer.model_config,
+                               {key: placer.place(key, a) for key, a in tensors.items()})
+
+    model = build()
     layer = model.layers[0]
-    assert layer.attn.q_proj is None and layer.attn.qkv_proj is not None
-    assert layer.input_norm.folded
-    if preset == "tiny":  # (the MoE's experts hold gate_up joined already)
-        assert layer.mlp.gate_proj is None and layer.mlp.gate_up_proj is not None
-        assert layer.post_attn_norm.folded
-    else:  # the router and the experts read the normalised input themselves
-        assert not layer.post_attn_norm.folded
-    fused = hidden(model)
-    assert np.isfinite(separate).all()
-    np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5)
+    assert len(layer.attn.qkv_proj.linears) == 1 and isinstance(layer.input_norm, FoldedRMSNorm)
+    if preset == "tiny":
+        assert len(layer.mlp.gate_up_proj.linears) == 1
+        assert isinstance(layer.post_attn_norm, FoldedRMSNorm)
+    else:  # the experts read the normalised input; the router holds the scale
+        assert type(layer.post_attn_norm) is RMSNorm and type(layer.mlp.router) is FoldedRouter
+    monkeypatch.setattr(layers, "join_linears", lambda parts: None)
+    monkeypatch.setattr(inference_form, "foldable", lambda parts: False)
+    unjoined = build()
+    layer = unjoined.layers[0]
+    assert len(layer.attn.qkv_proj.linears) == 3 and type(layer.input_norm) is RMSNorm
+    if preset != "tiny":
+        assert type(layer.mlp.router) is Router
+    tokens = _prompts(lengths=(21,))[0]
+    want = _logits(unjoined, jax_mesh, tokens)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0.1
+    np.testing.assert_allclose(_logits(model, jax_mesh, tokens), want, rtol=1e-5, atol=1e-5)
+
+
+def test_loaded_model_is_in_inference_form_and_moves_exactly(hf_models):
+    """`load_model` gives the model as it runs: q/k/v and gate/up one Linear each (no
+    per-projection layer left), float norms folded (the MoE block's into its router).
+    `shard_model` moves it exactly: from one device to tp=4 (KV heads repeated) every
+    parameter equals the tp=4 load's, and a replica on other devices of the same tp gives
+    bit-identical logits."""
+    from flax import nnx
+
+    from jaxinfer.loading.checkpoint import load_model, shard_model
+    from jaxinfer.models.layers import FoldedRMSNorm, RMSNorm
+    from jaxinfer.models.moe import FoldedRouter
+
+    path = hf_models["qwen2_moe"]  # layer 0: MoE with a shared expert; layer 1: dense
+    one = load_model(path, dtype="float32")
+    for layer in one.layers:
+        assert len(layer.attn.qkv_proj.linears) == 1
+        assert layer.attn.qkv_proj.linears[0].bias is not None  # qwen2: q/k/v biases
+        assert not hasattr(layer.attn, "q_proj") and isinstance(layer.input_norm, FoldedRMSNorm)
+    moe_layer, dense_layer = one.layers
+    assert type(moe_layer.post_attn_norm) is RMSNorm
+    assert type(moe_layer.mlp.router) is FoldedRouter
+    assert len(moe_layer.mlp.shared_expert.gate_up_proj.linears) == 1
+    assert len(dense_layer.mlp.gate_up_proj.linears) == 1
+    assert isinstance(dense_layer.post_attn_norm, FoldedRMSNorm)
+
+    meshes = MeshSpec.parse("tp=4,dp=2").meshes()
+    loaded = load_model(path, dtype="float32", mesh=meshes[0])
+    moved = shard_model(one, meshes[0])
+    assert nnx.graphdef(moved) == nnx.graphdef(loaded)
+    want = dict(nnx.state(loaded, nnx.Param).flat_state())
+    got = dict(nnx.state(moved, nnx.Param).flat_state())
+    assert got.keys() == want.keys()
+    for key, var in want.items():
+        assert got[key][...].sharding == var[...].sharding, key
+        np.testing.assert_array_equal(np.asarray(got[key][...]), np.asarray(var[...]),
+                                      err_msg=str(key))
+    tokens = _prompts(8, (19,))[0]
+    replica = shard_model(loaded, meshes[1])
+    assert {d for v in nnx.state(replica, nnx.Param).flat_state() for d in
+            v[1][...].sharding.device_set} == set(meshes[1].devices.flat)
+    np.testing.assert_array_equal(_logits(replica, meshes[1], tokens),
+                                  _logits(loaded, meshes[0], tokens))

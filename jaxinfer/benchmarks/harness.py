@@ -1,45 +1,51 @@
-"""Benchmarks: device ceilings, kernels against them, end-to-end latency and throughput.
+"""The benchmark harness: timing, the device's ceilings, roofline rows, and the parts of a
+kernel table (L2-cold inputs, cells that say why they did not run). `jaxinfer bench` and
+the scripts in bench/ take their kernel timings, kernel records and ceilings from here
+(engine steps they time with the host clock around the step, where they run it).
 
-Kernel times are device-side on GPUs (CUPTI through `jax.experimental.mosaic.gpu.profiler`,
-kernel time only) and host-side elsewhere; model steps are wall-clock (what a user waits
-for). Every figure is a median; every run measures its own ceilings, and each result is
-printed with a roofline line: bytes and FLOPs per step and the % of each ceiling reached.
+Timing. `median_seconds` is device kernel time on GPUs (CUPTI through jax's Mosaic GPU
+profiler: the kernels one call launches, summed, without the gaps between them) and the
+host clock around a synchronised call elsewhere, or wherever asked (`device_time=False`:
+what a caller waits for, launches and gaps included). `kernel_times` splits a call's
+device time by kernel; `recorded_kernels` records every kernel launched inside a block of
+code (engine steps: jax's profiler jits the function it measures, so it cannot wrap them).
+
+Ceilings. `measure_ceilings` times a device-to-device copy (bytes read + written) and a bf16
+matmul now, on this device; `ceilings_in_child_process` measures them in another process,
+for runs that time model steps afterwards (CUPTI slows later launches in its process).
+
+Rows. `roofline` sets one measured time against both ceilings: bytes and FLOPs moved, the %
+of each ceiling reached, and the floor (the slower ceiling's time) over the time. Every
+figure is a median.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import json
+import math
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxinfer.engine.sampling import SamplingParams
-from jaxinfer.ops.attention import AttentionMetadata, ragged_paged_attention
-from jaxinfer.ops.linear import linear
+# --- timing ------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Ceilings:
-    copy_bytes_per_s: float  # device-to-device copy, bytes read + written
-    matmul_flops_per_s: float  # bf16 matmul through XLA
-
-    def line(self) -> str:
-        return (f"ceilings: copy {self.copy_bytes_per_s / 1e9:.1f} GB/s, "
-                f"bf16 matmul {self.matmul_flops_per_s / 1e12:.2f} TFLOP/s")
-
-    def times(self, devices: int) -> Ceilings:
-        """The ceilings of `devices` such devices working together (a sharded model)."""
-        return Ceilings(self.copy_bytes_per_s * devices, self.matmul_flops_per_s * devices)
-
-
-def median_seconds(fn, *args, iters: int = 20, warmup: int = 3) -> float:
-    """Median time of fn(*args): device kernel time on GPU, host time with a sync elsewhere."""
+def median_seconds(fn, *args, iters: int = 20, warmup: int = 3,
+                   device_time: bool = True) -> float:
+    """Median time of fn(*args) over `iters` calls after `warmup` untimed ones: device
+    kernel time on a GPU (CUPTI), else host time around a call and its sync. fn may be a
+    `Rotating` (each call reads other buffers)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    if jax.default_backend() == "gpu":
+    if device_time and jax.default_backend() == "gpu":
         from jax.experimental.mosaic.gpu import profiler
 
         times_ms = []
@@ -56,8 +62,91 @@ def median_seconds(fn, *args, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def kernel_times(fn, arg_sets: list[tuple], iters: int = 21,
+                 warmup: int = 1) -> tuple[float, list[tuple[str, float]]]:
+    """Device time of fn by kernel (CUPTI; GPU only): after `warmup` untimed calls, call i
+    (of `iters`) runs on arg_sets[i % len(arg_sets)]. Returns (median seconds per call, all
+    its kernels summed; [(kernel name, median seconds)] in launch order).
+
+    CUPTI's `measure` runs each measured call once untimed first on the same inputs, so a
+    measured call finds in L2 what fits there of the inputs it reads."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    runs = []
+    for i in range(iters):
+        out, per_kernel = profiler.measure(fn, aggregate=False)(*arg_sets[i % len(arg_sets)])
+        del out
+        runs.append(per_kernel)
+    total = statistics.median(sum(ms for _, ms in run) for run in runs) / 1e3
+    names = [name for name, _ in runs[0]]
+    return total, [(name, statistics.median(run[k][1] for run in runs) / 1e3)
+                   for k, name in enumerate(names)]
+
+
+@contextlib.contextmanager
+def recorded_kernels():
+    """Records every kernel that runs while the block does (CUPTI, GPU only): yields a list
+    that holds (kernel name, milliseconds) per launch, in order, once the block exits."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # the CUPTI hooks jax's profiler uses
+
+    cupti = mosaic_gpu_lib._mosaic_gpu_ext
+    kernels: list[tuple[str, float]] = []
+    cupti._cupti_init()
+    try:
+        yield kernels
+    finally:
+        kernels.extend(cupti._cupti_get_timings(True))
+
+
+def convert_in_child_process(source: str, dest: str, dtype: str) -> tuple[float, int]:
+    """`jaxinfer.loading.checkpoint.convert(source, dest, dtype)` run by a child process, so
+    that its peak memory is the conversion's alone: (wall seconds of the conversion, the
+    child's peak RSS in bytes, its imports included)."""
+    code = ("import sys, time, resource\n"
+            "from jaxinfer.loading.checkpoint import convert\n"
+            "t = time.perf_counter()\n"
+            "convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3], progress=False)\n"
+            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code, source, dest, dtype], capture_output=True,
+                         text=True, check=True).stdout.split()
+    return float(out[0]), int(out[1]) * 1024  # ru_maxrss: KiB on Linux
+
+
+def kernel_table(kernels: list[tuple[str, float]], top: int) -> str:
+    """CUPTI's (name, ms) records -> a markdown table of the `top` kernels by summed time."""
+    total, count = collections.Counter(), collections.Counter()
+    for name, ms in kernels:
+        total[name[:90]] += ms
+        count[name[:90]] += 1
+    busy = sum(total.values())
+    lines = ["| kernel | calls | total ms | share |", "| --- | --- | --- | --- |"]
+    lines += [f"| {name} | {count[name]} | {ms:.1f} | {100 * ms / busy:.1f}% |"
+              for name, ms in total.most_common(top)]
+    return "\n".join(lines)
+
+
+# --- ceilings ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Ceilings:
+    copy_bytes_per_s: float  # device-to-device copy, bytes read + written
+    matmul_flops_per_s: float  # bf16 matmul through XLA
+
+    def line(self) -> str:
+        return (f"ceilings: copy {self.copy_bytes_per_s / 1e9:.1f} GB/s, "
+                f"bf16 matmul {self.matmul_flops_per_s / 1e12:.2f} TFLOP/s")
+
+    def times(self, devices: int) -> Ceilings:
+        """The ceilings of `devices` such devices working together (a sharded model)."""
+        return Ceilings(self.copy_bytes_per_s * devices, self.matmul_flops_per_s * devices)
+
+
 def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None) -> Ceilings:
-    """Copy bandwidth (a buffer several times the L2) and the bf16 matmul rate, measured now."""
+    """Copy bandwidth (a buffer several times the L2) and the bf16 matmul rate, measured now
+    (defaults: 2 GiB and n = 8192 on a GPU, 64 MiB and n = 1024 elsewhere)."""
     gpu = jax.default_backend() == "gpu"
     copy_bytes = copy_bytes or (2 << 30 if gpu else 64 << 20)
     matmul_n = matmul_n or (8192 if gpu else 1024)
@@ -70,6 +159,22 @@ def measure_ceilings(copy_bytes: int | None = None, matmul_n: int | None = None)
     b = jax.random.normal(jax.random.fold_in(key, 1), (matmul_n, matmul_n), jnp.bfloat16)
     t_mm = median_seconds(jax.jit(jnp.matmul), a, b, iters=10)
     return Ceilings(2 * copy_bytes / t_copy, 2 * matmul_n**3 / t_mm)
+
+
+def ceilings_in_child_process() -> Ceilings:
+    """`measure_ceilings()` run by a child process on the same device. Runs that time model
+    steps afterwards take their ceilings this way: on a GPU the ceilings are timed with
+    CUPTI, which leaves a cost on every later kernel launch in the process that used it
+    (Llama-3-8B batch-1 decode: 5.42 ms per token after it, 5.29 without, on the same
+    GPU). Call it before this process takes the device's memory."""
+    code = ("import json; from jaxinfer.benchmarks.harness import measure_ceilings; "
+            "print(json.dumps(vars(measure_ceilings())))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    return Ceilings(**json.loads(out.strip().splitlines()[-1]))
+
+
+# --- roofline rows -----------------------------------------------------------------------------
 
 
 def roofline(name: str, seconds: float, bytes_moved: float, flops: float, c: Ceilings,
@@ -96,226 +201,93 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-# --- kernels ---------------------------------------------------------------------------------
+# --- kernel tables -----------------------------------------------------------------------------
 
-def attention_decode_case(batch, ctx, hq, hkv, d, page_size, dtype, seed=0):
-    """Inputs for one decode step: `batch` sequences of `ctx` cached tokens, pages shuffled."""
-    rng = np.random.default_rng(seed)
-    pages_per_seq = -(-(ctx + 1) // page_size)
-    num_pages = batch * pages_per_seq
-    key = jax.random.key(seed)
-    ks = jax.random.split(key, 5)
-    q = jax.random.normal(ks[0], (batch, hq, d), dtype)
-    k = jax.random.normal(ks[1], (batch, hkv, d), dtype)
-    v = jax.random.normal(ks[2], (batch, hkv, d), dtype)
-    k_pages = jax.random.normal(ks[3], (num_pages, page_size, hkv, d), dtype)
-    v_pages = jax.random.normal(ks[4], (num_pages, page_size, hkv, d), dtype)
-    md = AttentionMetadata(
-        cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
-        kv_lens=jnp.full((batch,), ctx + 1, jnp.int32),
-        page_indices=jnp.asarray(rng.permutation(num_pages).reshape(batch, pages_per_seq),
-                                 jnp.int32),
-        num_seqs=jnp.array([batch], jnp.int32))
-    kv_bytes = 2 * batch * (ctx + 1) * hkv * d * jnp.dtype(dtype).itemsize
-    flops = 4 * batch * (ctx + 1) * hq * d
-    return (q, k, v, k_pages, v_pages, md), kv_bytes, flops
+ROTATE_BYTES = 256 << 20  # input copies cycled per timed function: ~5x an H100's 50 MB L2
+MAX_COPIES = 64
 
 
-def bench_kernels(ceilings: Ceilings, backend: str = "reference", small: bool = False) -> list:
-    """Attention (decode) and linear layers against the ceilings. backend: 'reference' today."""
-    if backend != "reference":
-        raise ValueError(f"backend {backend!r}: only 'reference' exists so far")
-    rows = []
-    dtype = jnp.bfloat16
-    shapes = [(8, 256, 8, 2, 64)] if small else [(64, 2048, 32, 8, 128), (8, 32768, 32, 8, 128)]
-    for batch, ctx, hq, hkv, d in shapes:
-        args, kv_bytes, flops = attention_decode_case(batch, ctx, hq, hkv, d, 16, dtype)
-        fn = jax.jit(lambda *a, d=d: ragged_paged_attention(*a, sm_scale=d ** -0.5)[0])
-        t = median_seconds(fn, *args)
-        rows.append(roofline(f"attention decode ref B={batch} ctx={ctx} Hq={hq} Hkv={hkv} D={d}",
-                             t, kv_bytes, flops, ceilings))
-    mats = [(1, 256, 256), (64, 256, 256)] if small else [
-        (m, 8192, 8192) for m in (1, 16, 128, 4096)]
-    key = jax.random.key(1)
-    for m, n, k in mats:
-        x = jax.random.normal(key, (m, k), dtype)
-        w = jax.random.normal(jax.random.fold_in(key, 1), (n, k), dtype)
-        t = median_seconds(jax.jit(linear), x, w)
-        rows.append(roofline(f"linear ref bf16 M={m} N={n} K={k}", t,
-                             2 * (m * k + n * k + m * n), 2 * m * n * k, ceilings))
-    return rows
+class Rotating:
+    """Calls fn on each of `arg_sets` in turn, one set per call, so that a timed call reads
+    buffers last touched len(arg_sets) - 1 calls ago (not from L2). It has jit's `trace` and
+    `lower`, so `profiler.measure` calls it as it is instead of jitting (and freezing) it."""
+
+    def __init__(self, fn, arg_sets):
+        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
+        assert isinstance(self, jax.stages.Wrapped)
+
+    def __call__(self, *_):
+        self.i = (self.i + 1) % len(self.arg_sets)
+        return self.fn(*self.arg_sets[self.i])
+
+    def trace(self, *args, **kw):
+        return self.fn.trace(*args, **kw)
+
+    def lower(self, *args, **kw):
+        return self.fn.lower(*args, **kw)
 
 
-# --- end to end ------------------------------------------------------------------------------
-
-def expert_fraction(config, tokens: int) -> float:
-    """Expected share of a layer's experts that `tokens` tokens hit, each choosing k of E
-    (uniform routing: 1 - (1 - k/E)^tokens; k/E for one token)."""
-    if not config.is_moe:
-        return 1.0
-    return 1.0 - (1.0 - config.num_experts_per_tok / config.num_experts) ** tokens
+def copies(tree, nbytes: int) -> list:
+    """tree and distinct on-device copies of it (tree holds `nbytes`), enough to cover
+    ROTATE_BYTES, at most MAX_COPIES in all."""
+    count = min(MAX_COPIES, max(1, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+    return [tree] + [jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
+                     for _ in range(count - 1)]
 
 
-def _params(model, tokens: int | None):
-    """(path, variable, weight) for every parameter; expert stacks weigh the share of them
-    that `tokens` tokens read (all of them if tokens is None)."""
-    from flax import nnx
+@dataclasses.dataclass
+class Cell:
+    """One table cell: a time, or why there is none."""
 
-    share = 1.0 if tokens is None else expert_fraction(model.config, tokens)
-    for path, v in nnx.state(model, nnx.Param).flat_state():
-        yield path, v, share if "experts" in path else 1.0
+    seconds: float | None = None
+    note: str = ""  # "n/a (why)", "FAIL (why)", "skipped (...)", or a remark ("M->16")
 
-
-def weight_bytes(model, tokens: int | None = None) -> int:
-    """Bytes of every parameter (4-bit kinds at half a byte, as packed on the device); with
-    `tokens`, the bytes a step over that many tokens reads (MoE: only the experts hit)."""
-    half = (jnp.dtype(jnp.int4), jnp.dtype(jnp.float4_e2m1fn))
-    return int(sum((v.size // 2 if v.dtype in half else v.size * v.dtype.itemsize) * share
-                   for _, v, share in _params(model, tokens)))
+    def text(self) -> str:
+        if self.seconds is None:
+            return self.note or "-"
+        us = f"{self.seconds * 1e6:.1f}"
+        return f"{us} ({self.note})" if self.note else us
 
 
-def weight_count(model, active: bool = False) -> int:
-    """Number of weights, float or quantized (not counting quantization scales / offsets);
-    `active`: the weights one token multiplies (MoE: k of the E experts)."""
-    return int(sum(v.size * share for path, v, share in _params(model, 1 if active else None)
-                   if path[-1] not in ("weight_scale", "weight_offset")))
+def short(e: BaseException | str, limit: int = 70) -> str:
+    """One line of an exception (or a reason), short enough for a table cell."""
+    msg = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, BaseException):
+        msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    msg = msg.replace("|", "/")
+    return msg if len(msg) <= limit else msg[:limit - 3] + "..."
 
 
-def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ceilings,
-                  seed: int = 0, repeats: int = 3) -> tuple[dict, list[dict]]:
-    """Time to first token and per-token decode time for `batch` prompts of input_len tokens:
-    the medians of `repeats` timed runs (one run of 128 tokens varied by ~5% at batch-1
-    decode on the H200: bench/RESULTS.md, fourteenth session)."""
-    if repeats < 1:
-        raise ValueError(f"repeats {repeats}: at least 1 timed run required")
-    c = llm.config
-    rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-
-    def run():
-        """Returns (seconds until every request has its first token, seconds per token after
-        that: the decode phase's time over its tokens per sequence, so a multi-step decode
-        counts every token it produced)."""
-        for _ in range(batch):
-            llm.engine.add_request(rng.integers(2, c.vocab_size, input_len).tolist(), params)
-        start, waiting_first, ttft = time.perf_counter(), batch, None
-        while llm.engine.has_unfinished():
-            deltas = llm.engine.step()  # returns after the sampled ids reach the host
-            waiting_first -= sum(d.request.num_output == len(d.token_ids) for d in deltas)
-            if ttft is None and waiting_first == 0:
-                ttft = time.perf_counter() - start
-        decode = time.perf_counter() - start - ttft
-        return ttft, decode / max(output_len - 1, 1)
-
-    run()  # compile every bucket this shape touches
-    runs = [run() for _ in range(repeats)]
-    ttft, itl = (statistics.median(x) for x in zip(*runs, strict=True))
-    w_bytes = weight_bytes(llm.model, tokens=batch)  # MoE: the experts a step hits
-    itemsize = llm.model.embed.embedding.dtype.itemsize
-    kv_token = c.kv_bytes_per_token(itemsize)
-    mid_ctx = input_len + output_len // 2
-    step_bytes = w_bytes + batch * mid_ctx * kv_token
-    attn_flops = 4 * batch * mid_ctx * c.num_heads * c.head_dim * c.num_layers
-    step_flops = 2 * weight_count(llm.model, active=True) * batch + attn_flops
-    summary = {"batch": batch, "input_len": input_len, "output_len": output_len,
-               "ttft_ms": ttft * 1e3, "itl_ms": itl * 1e3, "tokens_per_s": batch / itl,
-               "itl_ms_runs": [r[1] * 1e3 for r in runs], "weight_bytes": w_bytes}
-    devices = llm.runner.mesh.size  # a sharded model streams from all its devices at once
-    summary["devices"] = devices
-    rows = [roofline(f"decode step B={batch} (ctx ~{mid_ctx}, {devices} device"
-                     f"{'s' if devices > 1 else ''})", itl, step_bytes, step_flops,
-                     ceilings.times(devices))]
-    return summary, rows
+def timed_cell(label: str, bench: Callable[..., float], fn, arg_sets: list[tuple],
+               deadline: float = math.inf) -> Cell:
+    """bench(Rotating(fn, arg_sets)) (bench: `median_seconds` with its options) as a cell,
+    logged as it goes: "skipped (time budget)" once time.perf_counter() is past `deadline`,
+    "n/a (error)" where fn does not lower, compile or run (SMEM, OOM, ...)."""
+    if time.perf_counter() > deadline:
+        return Cell(note="skipped (time budget)")
+    try:
+        t = bench(Rotating(fn, arg_sets))
+    except Exception as e:  # noqa: BLE001  (lowering / compile / SMEM / OOM)
+        print(f"    {label}: {short(e, 300)}", flush=True)
+        return Cell(note=f"n/a ({short(e, 60)})")
+    print(f"    {label}: {t * 1e6:.1f} us", flush=True)
+    return Cell(t)
 
 
-def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
-                     ceilings: Ceilings, seed: int = 0) -> tuple[dict, list[dict]]:
-    """Offline: num_requests prompts, lengths uniform in [input_len/2, input_len], all at once.
+@jax.jit
+def _agreement(got, want):
+    """(max |got - want|, max |want|, all finite) in float32."""
+    g, w = got.astype(jnp.float32), want.astype(jnp.float32)
+    return jnp.max(jnp.abs(g - w)), jnp.max(jnp.abs(w)), jnp.all(jnp.isfinite(g))
 
-    Each engine step is timed and given its own floor, the slower of its FLOPs (2 x active
-    weights per token run, plus attention) at the matmul rate and its bytes (weights once per
-    device iteration and dp replica, every live token's K/V once per iteration) at the copy
-    bandwidth; a run's floor is the sum of its steps' floors. Two rows: the whole run
-    (prefill included), and its decode-only steps (every running request decoding, nothing
-    waiting), the batch's decode roofline."""
-    rng = np.random.default_rng(seed)
-    c, engine = llm.config, llm.engine
-    lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    itemsize = llm.model.embed.embedding.dtype.itemsize
-    kv_token = c.kv_bytes_per_token(itemsize)
-    w_bytes = weight_bytes(llm.model, tokens=num_requests)  # MoE: ~the experts a step hits
-    flops_token = 2 * weight_count(llm.model, active=True)
-    head_flops = 2 * c.vocab_size * c.hidden_size  # logits: one row per sequence and step
-    attn_flops = 4 * c.num_heads * c.head_dim * c.num_layers  # per (query, key) pair
-    # Data parallel: every replica reads its own weights, on its own devices.
-    replicas = len(getattr(engine, "engines", [engine]))
-    devices = llm.runner.mesh.size * replicas
-    cd = ceilings.times(devices)
 
-    def run(prompts) -> dict:
-        start = time.perf_counter()
-        for p in prompts:
-            engine.add_request(p, params)
-        # totals over all steps ("all") and over the decode-only ones ("decode")
-        tot = {k: dict(seconds=0.0, bytes=0.0, flops=0.0, floor=0.0, steps=0, tokens=0,
-                       queries=0) for k in ("all", "decode")}
-        while engine.has_unfinished():
-            decode_only = not engine.waiting and all(
-                r.num_cached == len(r.all_ids) - 1 for r in engine.running)
-            t = time.perf_counter()
-            deltas = engine.step()
-            seconds = time.perf_counter() - t
-            produced = {d.request: len(d.token_ids) for d in deltas}
-            iterations, kv_tokens, flops, queries = 1, 0.0, 0.0, 0
-            for r, chunk in engine.last_batch:  # what ran, admitted this step or before
-                cached = chunk.num_cached
-                n = r.num_cached - cached  # queries run: a chunk's tokens, or decode iterations
-                if len(chunk.new_tokens) == 1 and r in produced:  # decoding, n iterations
-                    iterations = max(iterations, n)
-                    kv_read = n * cached + n * (n + 1) / 2  # contexts cached + 1 .. cached + n
-                    attn_pairs, logits_rows = kv_read, n
-                else:  # a prefill chunk: its keys read once, causal pairs ~n x (cached + n/2)
-                    kv_read = cached + n
-                    attn_pairs, logits_rows = n * (cached + n / 2), 1
-                kv_tokens += kv_read
-                queries += n
-                flops += ((flops_token - head_flops) * n + head_flops * logits_rows
-                          + attn_flops * attn_pairs)
-            kv_bytes = kv_tokens * kv_token
-            step_bytes = iterations * w_bytes * replicas + kv_bytes
-            floor = max(step_bytes / cd.copy_bytes_per_s, flops / cd.matmul_flops_per_s)
-            for key in ("all", "decode") if decode_only else ("all",):
-                k = tot[key]
-                k["seconds"] += seconds
-                k["bytes"] += step_bytes
-                k["flops"] += flops
-                k["floor"] += floor
-                k["steps"] += 1
-                k["tokens"] += sum(produced.values())
-                k["queries"] += queries
-        tot["all"]["seconds"] = time.perf_counter() - start  # the wall time, not only steps'
-        return tot
-
-    # A first pass with other prompts of the same lengths compiles every step shape the
-    # workload touches; the same prompts again would hit the prefix cache and skip prefill.
-    run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
-    tot = run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
-    a, d = tot["all"], tot["decode"]
-    summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-               "page_size": llm.runner.page_size,
-               "seconds": a["seconds"], "steps": a["steps"], "output_tokens": a["tokens"],
-               "decode_tokens": d["tokens"], "prompt_tokens": int(sum(lens)),
-               "tokens_run": a["queries"],
-               "output_tokens_per_s": a["tokens"] / a["seconds"],
-               "requests_per_s": num_requests / a["seconds"], "devices": devices,
-               "floor_seconds": a["floor"], "decode_steps_run": d["steps"],
-               "decode_tokens_per_s": d["tokens"] / d["seconds"] if d["steps"] else 0.0,
-               "decode_roofline_tokens_per_s": d["tokens"] / d["floor"] if d["steps"] else 0.0}
-    rows = [roofline(f"whole run ({a['steps']} steps, {a['tokens']} output tokens, {devices} "
-                     f"device{'s' if devices > 1 else ''})", a["seconds"], a["bytes"],
-                     a["flops"], cd, floor=a["floor"])]
-    if d["steps"]:
-        rows.append(roofline(f"decode-only steps ({d['steps']}, {d['tokens']} tokens)",
-                             d["seconds"], d["bytes"], d["flops"], cd, floor=d["floor"]))
-    return summary, rows
+def disagreement(got, want, tol: float) -> str | None:
+    """None if max |got - want| <= tol * max |want| (and got is finite), else why not."""
+    if got.shape != want.shape:
+        return f"shape {got.shape} != {want.shape}"
+    err, scale, finite = (float(v) for v in _agreement(got, want))
+    if not finite:
+        return "non-finite output"
+    if err > tol * scale:
+        return f"max err {err / max(scale, 1e-30):.2g} of max|ref| > {tol:g}"
+    return None

@@ -11,9 +11,11 @@ and reports what a user of the server sees:
 
 and, from the model's sizes (published by the server in /metrics) and the copy
 bandwidth measured on the device in the same run, the decode roofline: a decode
-step reads every weight once plus the K/V of every live sequence, so at
-concurrency C and mean context L the output rate cannot exceed
-C * bandwidth / (weight_bytes + C * L * kv_bytes_per_token).
+step of C sequences reads the weights a step of C tokens needs (W(C),
+`jaxinfer.loading.weights.StepReads.step_bytes`: every parameter once, the MoE
+experts C tokens hit, C input embedding rows) plus the K/V of every live
+sequence, so at concurrency C and mean context L the output rate cannot exceed
+C * bandwidth / (W(C) + C * L * kv_bytes_per_token).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import time
 
 import httpx
 import numpy as np
+
+from jaxinfer.loading.weights import StepReads
 
 
 @dataclasses.dataclass
@@ -120,15 +124,15 @@ def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
     }
 
 
-def decode_roofline(summary: dict, weight_bytes: float, kv_bytes_per_token: float,
+def decode_roofline(summary: dict, reads: StepReads, kv_bytes_per_token: float,
                     copy_bytes_per_s: float) -> dict:
     """The decode-bound output rate at this concurrency and mean context, and the run's
     fraction of it (prefill is not counted: the bound is optimistic)."""
     c = summary["concurrency"]
     mean_ctx = summary["mean_input_len"] + summary["output_len"] / 2
-    step_bytes = weight_bytes + c * mean_ctx * kv_bytes_per_token
+    step_bytes = reads.step_bytes(c) + c * mean_ctx * kv_bytes_per_token
     roof = c * copy_bytes_per_s / step_bytes
-    batch1_itl_ms = (weight_bytes + mean_ctx * kv_bytes_per_token) / copy_bytes_per_s * 1e3
+    batch1_itl_ms = (reads.step_bytes(1) + mean_ctx * kv_bytes_per_token) / copy_bytes_per_s * 1e3
     return {"roofline_output_tokens_per_s": roof,
             "fraction_of_roofline": summary["output_tokens_per_s"] / roof,
             "batch1_itl_floor_ms": batch1_itl_ms,

@@ -1,2 +1,5 @@
-"""The engine: scheduler (no JAX), engine (request life cycle), model runner (the jitted
-step), KV page pool, sampling, and the multi-host step broadcast."""
+"""The engine. Host side, no JAX: `request` (SamplingParams, Request, RequestDelta),
+`scheduler` (admission, KV page reservation, preemption, chunking; over `kv_pages`' pool),
+`output` (stops, detokenisation, logprobs). `engine` ties them to `runner` (the jitted step;
+`sampling` is its sampler) for one replica or several; `multihost` broadcasts each step to
+the other processes of a multi-host job."""

@@ -9,7 +9,7 @@ the KV cache is donated so XLA updates the pages in place.
 from __future__ import annotations
 
 import dataclasses
-import gc
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.engine import multihost
-from jaxinfer.engine.sampling import (
-    MAX_LOGPROBS,
-    SamplingParams,
-    SamplingTensors,
-    logprobs_of,
-    sample,
-    token_counts,
-)
+from jaxinfer.engine.request import MAX_LOGPROBS
+from jaxinfer.engine.sampling import SamplingTensors, logprobs_of, sample, token_counts
+from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
 from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
@@ -53,25 +48,6 @@ class StepInputs:
 
 
 @dataclasses.dataclass
-class SeqChunk:
-    """One sequence's share of a step: tokens[num_cached : num_cached + len(new_tokens)].
-
-    history (prompt + output ids so far) is needed only for penalties; remaining
-    bounds a multi-step decode (at most that many tokens are kept).
-    """
-
-    new_tokens: list[int]
-    num_cached: int  # tokens already in this sequence's pages
-    pages: list[int]
-    params: SamplingParams | None = None  # None: greedy
-    seed: int = 0
-    step: int = 0  # tokens generated so far
-    history: list[int] | None = None
-    num_prompt: int = 0
-    remaining: int = 1
-
-
-@dataclasses.dataclass
 class StepOutput:
     """tokens [S, N] int32 (-1 after a sequence finished on the device: EOS or its remaining
     budget); with logprobs: logprobs [S, N] f32 and top_ids / top_logprobs [S, N, MAX_LOGPROBS]."""
@@ -82,6 +58,26 @@ class StepOutput:
     top_logprobs: np.ndarray | None = None
 
 
+class DecodeLoopState(NamedTuple):
+    """The carry of the multi-step decode loop (`ModelRunner._sample`): S sequences (padded),
+    T tokens (T = S: one per sequence), N = num_steps, K top logprobs (MAX_LOGPROBS, or 1
+    without logprobs), V the vocabulary."""
+
+    i: jax.Array  # int32 scalar: steps run so far
+    kv_cache: list  # per layer (k, v) pages [num_pages + 1, page_size, kv_heads, head_dim]
+    last: jax.Array  # [S] int32: each sequence's latest token, the next step's input
+    done: jax.Array  # [S] bool: finished (EOS, remaining budget, or padding)
+    md: AttentionMetadata  # kv_lens grow by one per live step; done rows use the scratch page
+    positions: jax.Array  # [T] int32
+    steps: jax.Array  # [S] int32: the sampling key's counter (tokens generated so far)
+    seen: jax.Array | None  # [S, V] bool: in prompt or output (None: no penalties)
+    counts: jax.Array | None  # [S, V] int32: output counts (None: no penalties)
+    out_tokens: jax.Array  # [S, N] int32, -1 after a sequence finished
+    out_lp: jax.Array  # [S, N] f32: the sampled tokens' logprobs
+    out_top_ids: jax.Array  # [S, N, K] int32
+    out_top_lp: jax.Array  # [S, N, K] f32
+
+
 class ModelRunner:
     """Runs batches on the model. The KV cache has num_pages + 1 pages: the last is a scratch
     page that sequences finished in the middle of a multi-step decode write into."""
@@ -89,15 +85,13 @@ class ModelRunner:
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None):
         """`mesh`: the one the model's parameters were placed on (`jaxinfer.sharding`);
-        the KV cache is split over its KV heads like the k/v projections. The runner fuses
-        the model's projections in place (`Decoder.fuse_projections`)."""
+        the KV cache is split over its KV heads like the k/v projections. The model runs as
+        it comes, built by the loader (`jaxinfer.models.inference_form`)."""
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
         self.mesh = mesh or MeshSpec().meshes()[0]
         self.scratch_page = num_pages
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        model.fuse_projections()  # q/k/v and gate/up as one GEMM each (in place)
-        gc.collect()  # the unfused weights sit in nnx's reference cycles until collected
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         self.state_leaves, self.state_treedef = jax.tree.flatten(state)
@@ -171,42 +165,46 @@ class ModelRunner:
         out_lp = jnp.zeros((S, num_steps))
         out_top_ids = jnp.zeros((S, num_steps, num_top), jnp.int32)
         out_top_lp = jnp.zeros((S, num_steps, num_top))
-        carry = (0, kv_cache, inputs.token_ids[:S], ~live, md, inputs.positions,
-                 inputs.sampling.steps, seen, counts, out_tokens, out_lp, out_top_ids,
-                 out_top_lp)
+        state = DecodeLoopState(
+            i=0, kv_cache=kv_cache, last=inputs.token_ids[:S], done=~live, md=md,
+            positions=inputs.positions, steps=inputs.sampling.steps, seen=seen, counts=counts,
+            out_tokens=out_tokens, out_lp=out_lp, out_top_ids=out_top_ids,
+            out_top_lp=out_top_lp)
 
-        def cond(carry):
-            i, done = carry[0], carry[3]
-            return (i < num_steps) & ~jnp.all(done)
+        def cond(state: DecodeLoopState):
+            return (state.i < num_steps) & ~jnp.all(state.done)
 
-        def body(carry):
+        def body(state: DecodeLoopState) -> DecodeLoopState:
             """Step i: the batch's own tokens at i = 0, then each sequence's last sample."""
-            (i, kv_cache, last, done, md, positions, steps, seen, counts,
-             out_tokens, out_lp, out_top_ids, out_top_lp) = carry
+            i, done, seen, counts = state.i, state.done, state.seen, state.counts
             later = i > 0
             if penalties:
-                seen = seen.at[rows, last].set(seen[rows, last] | later)
-                counts = counts.at[rows, last].add(later.astype(counts.dtype))
+                seen = seen.at[rows, state.last].set(seen[rows, state.last] | later)
+                counts = counts.at[rows, state.last].add(later.astype(counts.dtype))
             # Finished sequences stop advancing and write into the scratch page.
             step = (~done & later).astype(jnp.int32)
             md = dataclasses.replace(
-                md, kv_lens=md.kv_lens + step,
-                page_indices=jnp.where(done[:, None], self.scratch_page, md.page_indices))
-            positions = positions.at[:S].add(step)
-            token_ids = inputs.token_ids.at[:S].set(last)
-            tokens, lp, kv_cache = forward(kv_cache, token_ids, positions, md, steps, seen,
-                                           counts)
+                state.md, kv_lens=state.md.kv_lens + step,
+                page_indices=jnp.where(done[:, None], self.scratch_page, state.md.page_indices))
+            positions = state.positions.at[:S].add(step)
+            token_ids = inputs.token_ids.at[:S].set(state.last)
+            tokens, lp, kv_cache = forward(state.kv_cache, token_ids, positions, md, state.steps,
+                                           seen, counts)
             tokens = jnp.where(done, -1, tokens)
-            out_tokens = out_tokens.at[:, i].set(tokens)
-            out_lp = out_lp.at[:, i].set(lp[0])
-            out_top_ids = out_top_ids.at[:, i].set(lp[1])
-            out_top_lp = out_top_lp.at[:, i].set(lp[2])
+            out_tokens = state.out_tokens.at[:, i].set(tokens)
+            out_lp = state.out_lp.at[:, i].set(lp[0])
+            out_top_ids = state.out_top_ids.at[:, i].set(lp[1])
+            out_top_lp = state.out_top_lp.at[:, i].set(lp[2])
             done = done | finished(tokens, i + 1)
-            return (i + 1, kv_cache, jnp.where(done, last, tokens), done, md, positions,
-                    steps + 1, seen, counts, out_tokens, out_lp, out_top_ids, out_top_lp)
+            return DecodeLoopState(
+                i=i + 1, kv_cache=kv_cache, last=jnp.where(done, state.last, tokens), done=done,
+                md=md, positions=positions, steps=state.steps + 1, seen=seen, counts=counts,
+                out_tokens=out_tokens, out_lp=out_lp, out_top_ids=out_top_ids,
+                out_top_lp=out_top_lp)
 
-        carry = jax.lax.while_loop(cond, body, carry)
-        return tuple(carry[9:]), carry[1]
+        state = jax.lax.while_loop(cond, body, state)
+        return ((state.out_tokens, state.out_lp, state.out_top_ids, state.out_top_lp),
+                state.kv_cache)
 
     def prepare(self, chunks: list[SeqChunk], num_steps: int = 1) -> StepInputs:
         """Host-side: pads a batch to its buckets (numpy; one transfer per array).

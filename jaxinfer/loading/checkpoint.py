@@ -2,8 +2,9 @@
 
 A converted checkpoint is a directory:
   model_config.json   our ModelConfig (`quantization` says how the projections were quantized)
-  weights/            an Orbax checkpoint of a flat dict {key: array}, keys as in
-                      `Decoder` (e.g. "layers.0.attn.q_proj.weight"), weights (out, in)
+  weights/            an Orbax checkpoint of a flat dict {key: array}, one key per
+                      projection and norm (e.g. "layers.0.attn.q_proj.weight",
+                      `jaxinfer.models.inference_form.checkpoint_layout`), weights (out, in)
   tokenizer.json, tokenizer_config.json, ...  copied (HF) or rebuilt (GGUF)
 
 Quantized projections (q/k/v/o, gate/up/down only) are stored as the parts of a
@@ -13,6 +14,10 @@ Quantized projections (q/k/v/o, gate/up/down only) are stored as the parts of a
   layers.3.attn.q_proj.weight_offset  offsets like the scales (asymmetric formats only)
 A loader recognises them by their `weight_scale` key; fp8 weights take W8A8
 activations when the config's `quantization` format says so ("fp8").
+
+Loading places each tensor on its devices (`jaxinfer.sharding.ParamPlacer`), then builds
+the model in the form it runs in, once (`jaxinfer.models.inference_form.inference_model`:
+q/k/v and gate/up joined, norm scales folded into float projections).
 
 Conversion streams: tensors are read one at a time and written with Orbax
 partial saves in groups of at most GROUP_BYTES, so peak memory tracks the
@@ -34,21 +39,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.gguf_source import GGUFSource
 from jaxinfer.loading.hf_source import HFSource
 from jaxinfer.models import Decoder
+from jaxinfer.models.inference_form import (
+    OFFSET,
+    SCALE,
+    checkpoint_layout,
+    checkpoint_params,
+    folded_modules,
+    inference_model,
+)
 from jaxinfer.models.layers import is_quantizable
-from jaxinfer.ops.quant import FP8_DTYPE, VALUE_DTYPES, QuantFormat, QuantizedWeight, parse_format
+from jaxinfer.ops.quant import VALUE_DTYPES, QuantFormat, QuantizedWeight, parse_format
 from jaxinfer.ops.quant import quantize as quantize_weight
-from jaxinfer.sharding import MeshSpec, ParamPlacer, mesh_axis_size, param_axes, sharded_config
+from jaxinfer.sharding import (
+    MeshSpec,
+    ParamPlacer,
+    layout_tp,
+    logical_to_mesh,
+    mesh_axis_size,
+    param_axes,
+    sharded_config,
+)
 
 GROUP_BYTES = 64 << 20
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 CONFIG_FILE, WEIGHTS_DIR = "model_config.json", "weights"
-SCALE, OFFSET = "_scale", "_offset"  # a quantized `...weight`'s companions add these
 _PARTS = (".weight" + SCALE, ".weight" + OFFSET)
 _QUANT_DTYPES = {jnp.dtype(d) for d in VALUE_DTYPES.values()}
 
@@ -78,12 +99,7 @@ def is_converted(path: str | Path) -> bool:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> shape, from the model definition itself (nothing allocated)."""
-    model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
-    return {_key(path): tuple(v.shape) for path, v in nnx.state(model, nnx.Param).flat_state()}
-
-
-def _key(path) -> str:
-    return ".".join(str(p) for p in path)
+    return {key: t.shape for key, t in checkpoint_layout(config).items()}
 
 
 def _checked_tensors(source, config: ModelConfig, dtype, want: dict | None = None,
@@ -257,32 +273,41 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
         if any(k.endswith(SCALE) for k in params):  # a GGUF's or MXFP4 checkpoint's own
             config = dataclasses.replace(config, quantization=source.native_quantization)
         activations = None
-    return _build_model(sharded_config(config, placer.tp), params, activations, placer.tp)
+    return inference_model(sharded_config(config, placer.tp), params, activations)
 
 
-def model_placer(config: ModelConfig, mesh: jax.sharding.Mesh, where="the model",
-                 relayout: bool = True) -> ParamPlacer:
+def model_placer(config: ModelConfig, mesh: jax.sharding.Mesh, where="the model"
+                 ) -> ParamPlacer:
     """The ParamPlacer of a model of `config` on `mesh` (its split checked first)."""
     MeshSpec(ep=mesh_axis_size(mesh, "ep"), tp=mesh_axis_size(mesh, "tp")).check(config, where)
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-    return ParamPlacer(config, mesh, param_axes(model), relayout)
+    axes = {key: t.axes for key, t in checkpoint_layout(config).items()}
+    return ParamPlacer(config, mesh, param_axes(axes))
 
 
 def shard_model(model: Decoder, mesh: jax.sharding.Mesh) -> Decoder:
     """The same model with its parameters placed on `mesh` (a copy; `model` is unchanged):
-    an unsharded model on any mesh, a sharded one on a mesh of the same tp (dp replicas)."""
-    if model.projections_fused:
-        raise ValueError("shard_model takes a model before a runner fuses its projections")
-    tp = mesh_axis_size(mesh, "tp")
-    if model.tp_layout not in (1, tp):
-        raise JaxinferError(f"a model laid out for tp={model.tp_layout} cannot move to "
-                            f"tp={tp}; load it again")
-    placer = model_placer(model.config, mesh, relayout=model.tp_layout == 1)
-    params = {_key(p): placer.place(_key(p), v[...])
-              for p, v in nnx.state(model, nnx.Param).flat_state()}
+    one laid out for one device on any mesh, any on a mesh of its own tp (dp replicas).
+
+    A mesh of the model's tp takes each parameter as it is, placed by its logical axes. A
+    larger tp takes the model apart into checkpoint tensors (`checkpoint_params`), lays
+    them out for it and builds it again, its folded norms as they were (folding rounds)."""
+    tp, model_tp = mesh_axis_size(mesh, "tp"), layout_tp(model.embed.embedding[...])
+    if model_tp == tp:
+        MeshSpec(ep=mesh_axis_size(mesh, "ep"), tp=tp).check(model.config)
+        graphdef, state = nnx.split(model)
+        return nnx.merge(graphdef, jax.tree.map(
+            lambda v: v.replace(jax.device_put(v[...], NamedSharding(
+                mesh, logical_to_mesh(v.get_metadata()["axes"], v.shape, mesh)))),
+            state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    if model_tp != 1:
+        raise JaxinferError(f"a model laid out for tp={model_tp} cannot move to tp={tp}; "
+                            "load it again")
+    placer = model_placer(model.config, mesh)
+    params = {key: placer.place(key, a) for key, a in checkpoint_params(model).items()}
     activations = next((m.activations for _, m in nnx.iter_graph(model)
                         if getattr(m, "activations", None)), None)
-    return _build_model(placer.model_config, params, activations, tp_layout=tp)
+    return inference_model(placer.model_config, params, activations,
+                           folded=folded_modules(model))
 
 
 def _activations(config: ModelConfig, where) -> str | None:
@@ -303,34 +328,6 @@ def _restore_dtype(key: str, stored_dtype, dtype: str | None, stored: dict):
     if key + SCALE in stored:
         return stored_dtype
     return DTYPES.get(dtype, stored_dtype)
-
-
-def _module_at(model: Decoder, prefix: str):
-    """The submodule at a key prefix such as "layers.3.attn.q_proj"."""
-    obj = model
-    for part in prefix.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
-
-
-def _build_model(config: ModelConfig, params: dict, activations: str | None,
-                 tp_layout: int = 1) -> Decoder:
-    """A Decoder holding `params` (checked already), its quantized projections quantized;
-    tp_layout: the tp its tensors were laid out for (`jaxinfer.sharding.ParamPlacer`)."""
-    param_dtype = params["embed.embedding"].dtype
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=param_dtype, rngs=nnx.Rngs(0)))
-    model.tp_layout = tp_layout
-    for key in params:
-        if key.endswith(_PARTS[0]):
-            weight = key.removesuffix(SCALE)
-            values = params[weight]
-            fp8 = jnp.dtype(values.dtype) == jnp.dtype(FP8_DTYPE)
-            _module_at(model, weight.removesuffix(".weight")).set_quantized(QuantizedWeight(
-                values, params[key], params.get(weight + OFFSET), activations if fp8 else None))
-    state = nnx.state(model, nnx.Param)
-    flat = [(p, v.replace(params[_key(p)])) for p, v in state.flat_state()]
-    nnx.update(model, nnx.State.from_flat_path(flat))
-    return model
 
 
 def _check_stored(weights_dir, want: dict, stored: dict):

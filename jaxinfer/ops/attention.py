@@ -1,15 +1,25 @@
-"""Ragged paged attention: the one attention interface every model calls.
+"""Ragged paged attention: the contract every model call and every implementation shares.
+
+    ragged_paged_attention(q, k, v, k_pages, v_pages, md, *, sm_scale, sliding_window=None,
+                           soft_cap=None, sinks=None, k_scale=None, v_scale=None,
+                           prologue=None) -> (out [T, Hq, D] in q.dtype, k_pages, v_pages)
+
+Callers use `jaxinfer.ops.attention_registry.ragged_paged_attention`, which picks an
+implementation for the call (`AttentionCall`) and runs it; this module holds what they all
+share: the layouts, the metadata, the page writes, and the pure-JAX reference
+(`ragged_paged_attention_reference`, the spec the kernels are tested against).
 
 A step processes a *ragged batch*: the new tokens of up to S sequences laid end
 to end (prefill chunks and single decode tokens mixed). Shapes are static
 (padded to buckets); the live part is described by the metadata.
 
-Layouts (shared by every backend):
+Layouts (shared by every implementation):
   q            [T, Hq, D]    new query tokens, sequence after sequence
   k, v         [T, Hkv, D]   this step's new keys / values (same order)
   (or q = the fused projection [T, (Hq + 2 Hkv) * D], columns q | k | v, with k = v =
-  None: the Pallas GPU kernel reads the three from it in place, where slices of it
-  would be copies, a kernel each; other backends split it first, `split_qkv`)
+  None: an implementation whose registry entry fuses "split_qkv" reads the three from it
+  in place, where slices of it would be copies, a kernel each; for the others the
+  registry splits it first, `split_qkv`)
   k_pages      [num_pages, page_size, Hkv, D]   one layer's key cache
   v_pages      [num_pages, page_size, Hkv, D]   one layer's value cache
   cu_q_lens    [S + 1] int32  token offsets: sequence s owns q[cu_q_lens[s]:cu_q_lens[s+1]]
@@ -23,31 +33,43 @@ hits work). The new k/v are written into the pages (before attending, or by the
 kernel itself, which then reads this step's positions from k/v), and the updated
 pages are returned (callers donate them so the update is in place).
 
+Any mix of q_len and kv_len is one batch. A speculative-decoding verify step (each
+sequence's last accepted token and its k drafts, q_len = k + 1 at decode positions) is
+such a batch and needs nothing else: every token sees the drafts before it, and the
+drafts a step rejects are dropped by the next step's kv_lens (positions >= kv_len are
+never read, and are written again).
+
 Options: `sliding_window` (a token sees the last `sliding_window` positions,
 itself included), `soft_cap` (scores -> cap * tanh(scores / cap)), `sinks` [Hq]
 (one learned logit per head added to the softmax denominator, gpt-oss), `prologue`
-(a `QKPrologue`: q and k arrive as the projections gave them, and become attention's
-q / k by a per-head RMSNorm and RoPE first).
+(a `jaxinfer.ops.rope.QKPrologue`: q and k arrive as the projections gave them, and become
+attention's q / k by a per-head RMSNorm and RoPE first; the registry applies it with XLA
+unless the implementation fuses it).
 
 fp8 KV cache: pages of dtype float8_e4m3fn hold k / k_scale (and v / v_scale),
 clipped to the e4m3 range; attention reads them back as page * scale. Scales
 are per-layer Python floats (vLLM's per-tensor k_scale / v_scale).
 
-`ragged_paged_attention` picks the implementation in one place: on Hopper the
-Mosaic GPU kernel, or for steps of one token (batch-1 decode) the Pallas kernel's
-GPU (Triton) lowering; the Pallas TPU kernel on TPU; this pure-JAX reference
-elsewhere (CPU, older GPUs).
+A layer's cache is the pair (k_pages, v_pages): the runner keeps one pair per layer
+(`kv_cache[layer]`, sharded over KV heads: `KV_PAGES_AXES`), passes it in and takes the
+updated pair back. The page tables (`page_indices`) and the page pool count tokens, not
+bytes, so they do not depend on what a token's row holds. A latent-KV implementation
+(MLA: one compressed row per token, shared by every head, k and v read from it) plugs in
+behind the same entry point: its layer passes the latent pages [num_pages, page_size, 1,
+Dc] as k_pages with v_pages = None (and this step's latent rows as k, v = None),
+`AttentionCall` gains a field saying which cache layout a call has (default: separate k /
+v pages, so the present entries and their callers are unchanged), and a latent entry in
+the registry takes the calls with the latent layout. Metadata, `write_kv_pages` and the
+page tables are shared as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.platform import IMPLEMENTATIONS, default_implementation
 from jaxinfer.sharding import P, shard_map_logical
 
 
@@ -75,26 +97,73 @@ FP8_KV_DTYPE = jnp.float8_e4m3fn
 KV_PAGES_AXES = P(None, None, "kv_heads", "head_dim")
 
 
-def rope_tables(positions, inv_freq, attention_factor: float, dtype):
-    """positions [T], inv_freq [D // 2] float32 -> (cos, sin) [T, D] in dtype, scaled by the
-    attention factor: RoPE's rotation of each token (HF's convention: the frequencies twice).
-    Every layer uses the same tables, so XLA computes them once per step."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return ((jnp.cos(emb) * attention_factor).astype(dtype),
-            (jnp.sin(emb) * attention_factor).astype(dtype))
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One attention call as the registry's `supports` predicates see it: the static facts
+    of its arguments (shapes, dtypes, which options are set), nothing traced.
 
+      num_tokens       T: q's rows, padding included
+      num_seqs         S: the metadata's sequence slots (page_indices' rows)
+      num_q_heads      Hq
+      q_dtype          q's dtype
+      page_shape       k_pages' shape (num_pages, page_size, Hkv, D); v_pages alike
+      kv_dtype         the pages' dtype: q's, or FP8_KV_DTYPE
+      fused_qkv        q is the fused projection [T, (Hq + 2 Hkv) * D], k = v = None
+      sliding_window   the window (None: none)
+      soft_cap         the cap (None: none)
+      sinks            sinks are given
+      prologue         a QKPrologue is given (q / k are the raw projections)
+    """
 
-def apply_rope(x, cos, sin):
-    """x [T, H, D] rotated by the tables cos / sin [T, D] (`rope_tables`; HF `rotate_half`
-    convention: halves, not pairs)."""
-    # rotate_half(x) = [-x2, x1], as a reverse of the two halves rather than a concatenate:
-    # XLA fuses the reverse into its consumers, where the concatenate ran as a kernel of its
-    # own per layer at batch 1 (bench/NOTES.md, serving engine v4).
-    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-    sign = jnp.array([-1, 1], x.dtype)[:, None]
-    rotated = (halves[..., ::-1, :] * sign).reshape(x.shape)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    num_tokens: int
+    num_seqs: int
+    num_q_heads: int
+    q_dtype: jnp.dtype
+    page_shape: tuple[int, int, int, int]
+    kv_dtype: jnp.dtype
+    fused_qkv: bool = False
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    sinks: bool = False
+    prologue: bool = False
+
+    @classmethod
+    def describe(cls, q, k, k_pages, md: AttentionMetadata, *,
+                 sliding_window: int | None = None, soft_cap: float | None = None,
+                 sinks=None, prologue=None) -> AttentionCall:
+        """The call of `ragged_paged_attention` with these arguments (arrays or shape
+        structs; k None: q is the fused projection)."""
+        _, _, num_kv_heads, head_dim = k_pages.shape
+        fused = k is None
+        return cls(
+            num_tokens=q.shape[0], num_seqs=md.page_indices.shape[0],
+            num_q_heads=(q.shape[1] // head_dim - 2 * num_kv_heads) if fused else q.shape[1],
+            q_dtype=jnp.dtype(q.dtype), page_shape=tuple(k_pages.shape),
+            kv_dtype=jnp.dtype(k_pages.dtype), fused_qkv=fused, sliding_window=sliding_window,
+            soft_cap=soft_cap, sinks=sinks is not None, prologue=prologue is not None)
+
+    @property
+    def page_size(self) -> int:
+        return self.page_shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.page_shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.page_shape[3]
+
+    @property
+    def query(self) -> jax.ShapeDtypeStruct:
+        """The query heads [T, Hq, D] in q's dtype (split out of a fused projection)."""
+        return jax.ShapeDtypeStruct((self.num_tokens, self.num_q_heads, self.head_dim),
+                                    self.q_dtype)
+
+    @property
+    def pages(self) -> jax.ShapeDtypeStruct:
+        """k_pages (and v_pages): [num_pages, page_size, Hkv, D] in the pages' dtype."""
+        return jax.ShapeDtypeStruct(self.page_shape, self.kv_dtype)
 
 
 def split_qkv(qkv, num_kv_heads: int, head_dim: int):
@@ -103,42 +172,6 @@ def split_qkv(qkv, num_kv_heads: int, head_dim: int):
     heads = qkv.reshape(qkv.shape[0], -1, head_dim)
     hq = heads.shape[1] - 2 * num_kv_heads
     return heads[:, :hq], heads[:, hq:hq + num_kv_heads], heads[:, hq + num_kv_heads:]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QKPrologue:
-    """What turns the q / k projections into attention's q / k: an RMSNorm over each head
-    (qk_norm models: Qwen3; q_norm / k_norm None: none), then RoPE at each token's position.
-
-      cos, sin   [T, D]         RoPE's tables for the step's tokens (`rope_tables`), q's dtype
-      q_norm     [D]            the q norm's scale (in q's dtype), or None
-      k_norm     [D]            the k norm's scale, or None
-      eps                       static float: the norms' eps
-
-    `ragged_paged_attention` applies it with XLA before a kernel (`apply`), except where the
-    kernel applies it itself: the Pallas GPU kernel at one token (batch-1 decode), where
-    XLA's three small kernels a layer for it (the sums of squares, q's and k's norm + RoPE)
-    took ~4 us (bench/NOTES.md, ragged paged attention v6).
-    """
-
-    cos: jax.Array
-    sin: jax.Array
-    q_norm: jax.Array | None = None
-    k_norm: jax.Array | None = None
-    eps: float = dataclasses.field(default=1e-6, metadata=dict(static=True))
-
-    def apply(self, q, k):
-        """q [T, Hq, D], k [T, Hkv, D] -> (q, k) normed and rotated, in their dtypes."""
-        if self.q_norm is not None:
-            # The sums of squares over q's and k's heads together: one reduction kernel at
-            # decode, not two. Each norm as `models.layers.RMSNorm`: scale * (x / rms(x)).
-            x32 = jnp.concatenate([q, k], axis=1).astype(jnp.float32)
-            inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-            hq = q.shape[1]
-            q = self.q_norm * (q.astype(jnp.float32) * inv[:, :hq]).astype(q.dtype)
-            k = self.k_norm * (k.astype(jnp.float32) * inv[:, hq:]).astype(k.dtype)
-        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
 
 
 def quantize_kv(x, dtype, scale: float | None):
@@ -302,64 +335,3 @@ def ragged_paged_attention_reference(
     if fp8 and v_scale is not None:
         out = out * v_scale
     return out.reshape(T, Hq, D).astype(q.dtype), k_pages, v_pages
-
-
-def ragged_paged_attention(
-    q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
-    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
-    prologue: QKPrologue | None = None, implementation: str | None = None,
-):
-    """Writes k/v into the pages and attends. The one place that picks a backend.
-
-    `implementation` forces one of ATTENTION_IMPLEMENTATIONS (tests and benchmarks);
-    None picks `default_implementation()` (on Hopper, the Pallas GPU kernel for steps
-    of up to PALLAS_GPU_MAX_TOKENS tokens), falling back to the reference for shapes or
-    dtypes the kernel does not take. Kernels run in interpret mode on the CPU.
-    """
-    impl = implementation
-    if impl is None:
-        impl = default_implementation()
-        if (impl == "mosaic_gpu" and q.shape[0] <= PALLAS_GPU_MAX_TOKENS
-                and importlib.util.find_spec("jax.experimental.pallas.triton") is not None):
-            impl = "pallas_gpu"  # a program per token: few tokens (decode) only
-        query = q if k is not None else split_qkv(q, k_pages.shape[2], k_pages.shape[3])[0]
-        if impl in ("mosaic_gpu", "pallas_gpu") and _kernel(impl)[1](query, k_pages):
-            impl = "reference"  # e.g. float32 models: the kernels run bf16 / f16
-    fn = ragged_paged_attention_reference if impl == "reference" else _kernel(impl)[0]
-    options = {}
-    if impl == "pallas_gpu":  # takes the fused projection, applies the prologue, where it can
-        options["prologue"] = prologue
-    else:
-        if k is None:
-            q, k, v = split_qkv(q, k_pages.shape[2], k_pages.shape[3])
-        if prologue is not None:
-            q, k = prologue.apply(q, k)
-    return fn(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale,
-              sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-              k_scale=k_scale, v_scale=v_scale, **options)
-
-
-# Attention has a fourth implementation: the Pallas kernel's GPU (Triton) lowering
-# (deprecated in jax 0.11, so the default skips it in a jax without it).
-ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS + ("pallas_gpu",)
-# Steps of up to this many tokens use the Pallas GPU kernel on Hopper (bench/NOTES.md,
-# ragged paged attention v4: measured at batch-1 decode). Its program per (token, KV
-# head, split) reaches its first K block sooner than the Mosaic kernel's CTAs, but reads
-# a sequence's pages once per token, so larger steps keep the Mosaic kernel.
-PALLAS_GPU_MAX_TOKENS = 1
-
-
-def _kernel(impl: str):
-    """(attention function, unsupported_reason) of a kernel implementation."""
-    if impl == "pallas_tpu":
-        from jaxinfer.pallas_kernels import ragged_paged_attention as m
-        return m.ragged_paged_attention_tpu, lambda q, k_pages: None
-    if impl == "pallas_gpu":
-        from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as m
-        return m.ragged_paged_attention_gpu, m.unsupported_reason
-    if impl == "mosaic_gpu":
-        from jaxinfer.mosaic import ragged_paged_attention as m
-        return m.ragged_paged_attention_mgpu, m.unsupported_reason
-    raise ValueError(f"attention implementation {impl!r}: expected one of "
-                     f"{ATTENTION_IMPLEMENTATIONS}")

@@ -1,4 +1,7 @@
-"""Grouped matmul over experts: y = x @ W[e]^T for each row's expert e, the one entry point.
+"""Grouped matmul over experts: the contract every caller and every implementation shares.
+
+    grouped_matmul(x, w, group_sizes, *, row_groups=None, rows_sorted=True,
+                   groups_aligned=False, swiglu=False) -> y = x @ W[e]^T for each row's expert e
 
   x            [M, K]     bfloat16 / float16 / float32 rows, sorted by expert: rows
                           [start_e, start_e + group_sizes[e]) belong to expert e, where
@@ -13,7 +16,7 @@
                           required; see `RowGroups`)
   groups_aligned bool     a promise that every group size is a multiple of GROUP_ALIGN (8),
                           so every group starts on an 8-row boundary (the MoE layer's
-                          prefill layout, `jaxinfer.models.moe`): the Mosaic kernel then
+                          prefill layout, `jaxinfer.ops.expert_routing`): the Mosaic kernel then
                           stores whole 8-row tiles through a swizzled buffer (~15% faster
                           at 4096 tokens; bench/NOTES.md, grouped matmul v9); others ignore it
   swiglu       bool       w holds each expert's gate rows, then its up rows (N = 2 N'):
@@ -24,15 +27,14 @@
   -> y         [M, N]     in x.dtype, accumulated in float32; rows at or past
                           sum(group_sizes) are zero
 
-The MoE layer (`jaxinfer.models.moe`) sorts its (token, expert) pairs by expert once per
-layer and makes one call per projection over all experts. `grouped_matmul` picks the
-implementation in one place: the Mosaic GPU kernel on Hopper, the Pallas TPU kernel on
-TPU, the pure-JAX reference elsewhere; a kernel that cannot take the inputs (its
-`unsupported_reason`) falls back to the reference. On Hopper, rows are a gather, a
-multiply and a row reduction in XLA (`grouped_matmul_rows`) for one decode token's k
-experts of float weights (faster there than the kernel), and for decode steps (given
-`row_groups`) of the quantized formats the Mosaic kernel would dequantise whole first
-(fp8, MXFP4, zero points, groups of 32); it upcasts symmetric int8 / int4 experts itself.
+The MoE layer (`jaxinfer.models.moe`) lays its (token, expert) pairs out as rows once per
+layer (`jaxinfer.ops.expert_routing`) and makes one call per projection over all experts.
+Callers use `jaxinfer.ops.grouped_matmul_registry.grouped_matmul`, which picks an
+implementation for the call (`GroupedMatmulCall`) and runs it; this module holds what they
+share: the row metadata (`RowGroups`, `GROUP_ALIGN`), the shape checks, the pure-JAX
+reference (`grouped_matmul_reference`, the spec the kernels are tested against), the
+row-by-row form (`grouped_matmul_rows`), and the helpers for rows out of group order
+(`in_group_order`) and the SwiGLU halves (`swiglu_halves`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.platform import IMPLEMENTATIONS, default_implementation
 from jaxinfer.ops.quant import QuantizedWeight, dequantize
 
 ExpertWeights = jax.Array | QuantizedWeight
@@ -58,8 +59,8 @@ class RowGroups(NamedTuple):
     per span). Usually each group is one span and the rows are sorted by group; with
     `grouped_matmul(..., rows_sorted=False)` a group may have several spans, in any order
     (one decode token's k rows, each its own span, in the router's order:
-    `jaxinfer.models.moe`), and implementations that read the rows in group order get
-    them sorted first."""
+    `jaxinfer.ops.expert_routing`), and implementations that read the rows in group order
+    get them sorted first."""
     group: jax.Array
     start: jax.Array
     end: jax.Array
@@ -82,17 +83,6 @@ def grouped_matmul_reference(x: jax.Array, w: ExpertWeights, group_sizes: jax.Ar
             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]),
         preferred_element_type=jnp.float32)
     return swiglu_halves(y, x.dtype) if swiglu else y.astype(x.dtype)
-
-
-# Up to this many unsorted rows (one decode token's k rows) of float weights, the GPU
-# default computes each row against its own group's weights as a gather, a multiply and a
-# row reduction (`grouped_matmul_rows`), not with the Mosaic kernel.
-ROW_REDUCE_MAX_M = 8
-# Quantized weights the Mosaic kernel does not upcast itself (`upcasts_in_registers`) reduce
-# by row on the GPU up to this many rows, and no more than the experts, sorted or not, when
-# the caller gives `row_groups` (the MoE layer does at decode steps): below that, reading
-# each row's expert as stored costs less than dequantising the whole stack.
-QUANT_ROWS_MAX_M = 128
 
 
 def grouped_matmul_rows(x: jax.Array, w: ExpertWeights, group: jax.Array, *,
@@ -121,6 +111,8 @@ def grouped_matmul_rows(x: jax.Array, w: ExpertWeights, group: jax.Array, *,
 
 
 def check_shapes(x, w: ExpertWeights, group_sizes, swiglu: bool = False):
+    """Raises ValueError unless x [M, K], w [E, N, K] and group_sizes [E] agree (and, with
+    swiglu, N holds two halves)."""
     if x.ndim != 2 or len(w.shape) != 3:
         raise ValueError(f"grouped_matmul: x {tuple(x.shape)} must be [M, K] and w "
                          f"{tuple(w.shape)} [E, N, K]")
@@ -135,57 +127,36 @@ def check_shapes(x, w: ExpertWeights, group_sizes, swiglu: bool = False):
                          "is odd")
 
 
-def grouped_matmul(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,
-                   row_groups: RowGroups | None = None, swiglu: bool = False,
-                   rows_sorted: bool = True, groups_aligned: bool = False,
-                   implementation: str | None = None) -> jax.Array:
-    """x [M, K], w [E, N, K], group_sizes [E] -> [M, N], or [M, N / 2] with swiglu (see
-    the module docstring).
+class GroupedMatmulCall(NamedTuple):
+    """What the implementations' `supports` predicates read (shapes and dtypes only): x
+    [M, K], the weights [E, N, K] (float, or a stacked `QuantizedWeight`; a call may be
+    described with `jax.ShapeDtypeStruct`s in place of arrays), and the call's options."""
+    x: jax.ShapeDtypeStruct
+    w: ExpertWeights
+    has_row_groups: bool = False
+    rows_sorted: bool = True
+    swiglu: bool = False
+    groups_aligned: bool = False
 
-    `implementation` forces one of IMPLEMENTATIONS (tests and benchmarks); None picks
-    the default for the device, falling back to the reference for inputs the kernel
-    does not take.
-    """
-    check_shapes(x, w, group_sizes, swiglu)
-    if not rows_sorted and row_groups is None:
-        raise ValueError("grouped_matmul: rows_sorted=False needs row_groups")
-    unsorted = None if rows_sorted else row_groups  # what in_group_order must sort by
-    impl = implementation or default_implementation()
-    if impl == "mosaic_gpu":
-        from jaxinfer.mosaic.grouped_matmul import (
-            grouped_matmul_mgpu,
-            unsupported_reason,
-            upcasts_in_registers,
-        )
-        m, e = x.shape[0], w.shape[0]
-        if implementation is None and row_groups is not None and (
-                # One decode token's rows of float weights: faster by row than the kernel.
-                not isinstance(w, QuantizedWeight) and not rows_sorted
-                and m <= ROW_REDUCE_MAX_M
-                # Decode rows of quantized formats the kernel would dequantise whole
-                # first (fp8, MXFP4, ...): each row reads only its expert, as stored.
-                or isinstance(w, QuantizedWeight) and not upcasts_in_registers(w)
-                and m <= min(e, QUANT_ROWS_MAX_M)):
-            return grouped_matmul_rows(x, w, row_groups.group, swiglu=swiglu)
-        if implementation is None and unsupported_reason(x, w) is not None:
-            impl = "reference"
-        else:
-            return grouped_matmul_mgpu(x, w, group_sizes, row_groups, swiglu=swiglu,
-                                       rows_sorted=rows_sorted,
-                                       groups_aligned=groups_aligned)
-    if impl == "pallas_tpu":
-        from jaxinfer.pallas_kernels.grouped_matmul import grouped_matmul_tpu, unsupported_reason
-        if implementation is None and unsupported_reason(x, w) is not None:
-            impl = "reference"
-        else:
-            def tpu(x):
-                y = grouped_matmul_tpu(x, w, group_sizes)
-                return swiglu_halves(y, x.dtype) if swiglu else y
-            return in_group_order(tpu, x, unsorted)
-    if impl == "reference":
-        return in_group_order(lambda x: grouped_matmul_reference(x, w, group_sizes,
-                                                                 swiglu=swiglu), x, unsorted)
-    raise ValueError(f"grouped_matmul implementation {impl!r}: expected one of {IMPLEMENTATIONS}")
+    @classmethod
+    def describe(cls, x, w: ExpertWeights, *, row_groups: RowGroups | None = None,
+                 rows_sorted: bool = True, swiglu: bool = False,
+                 groups_aligned: bool = False) -> GroupedMatmulCall:
+        """The call grouped_matmul(x, w, ..., row_groups=..., ...) makes."""
+        return cls(jax.ShapeDtypeStruct(x.shape, x.dtype), w, row_groups is not None,
+                   rows_sorted, swiglu, groups_aligned)
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.w.shape[0]
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.w, QuantizedWeight)
 
 
 def in_group_order(fn, x: jax.Array, row_groups: RowGroups | None) -> jax.Array:

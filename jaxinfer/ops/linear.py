@@ -1,58 +1,146 @@
-"""The one linear-layer entry point: y = x @ W^T (+ b), for float and quantized weights.
+"""The linear layer: the contract every caller and every implementation shares.
 
-Weights are stored (N, K) = (out_features, in_features), K-major: the layout of
-HF checkpoints, and the one 8-bit tensor-core operands need (they cannot be
-transposed on the fly). A float W is one XLA dot (a multiply and a row reduction
-when x is one row, see `linear`); a `QuantizedWeight` (int8 /
-int4 / fp8 values with per-group scales, see `jaxinfer.ops.quant`) goes to
-`quantized_matmul`, which picks the kernel for the device.
+    linear(x, weight, bias=None, row_scale=None) -> y
+
+  x          [..., K]  bfloat16 / float16 / float32 activations
+  weight     [N, K]    float (cast to x.dtype), or a `QuantizedWeight` of W [N, K]
+                       (`jaxinfer.ops.quant`: int8 / int4 / fp8 values, per-group scales)
+  bias       [N]       float (added in float32), or None
+  row_scale  [..., 1]  float32, or None: scales each row of the product before the bias
+                       (an RMSNorm folded into the weight leaves its 1 / rms(x) here)
+  -> y = x @ W^T (* row_scale) (+ bias)  [..., N] in x.dtype, accumulated in float32
+
+Weights are stored (N, K) = (out_features, in_features), K-major: the layout of HF
+checkpoints, and the one 8-bit tensor-core operands need (they cannot be transposed on
+the fly).
+
+Callers use `jaxinfer.ops.linear_registry.linear`, which picks an implementation for the
+call (`LinearCall`) and runs it; this module holds what they share: the product forms
+(`float_product`, `one_row_product`, `quantized_matmul_reference`), fp8 activation
+quantization (W8A8), and the bias / row-scale epilogue (`linear_epilogue`) that every
+implementation ends with.
+
+Rounding: a float product is rounded to x.dtype before the row scale (as a quantized
+product always is), because XLA does not fuse the scale into the GEMM: a float32 product
+would be written and read back in full (at 64 tokens the gate/up product alone is 7.3 MB
+per layer; bench/NOTES.md, serving engine v5). The one-row product is a reduction whose
+float32 result is scaled unrounded.
 """
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.quant import QuantizedWeight
-from jaxinfer.ops.quantized_matmul import quantized_matmul
+from jaxinfer.ops.quant import FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize
 
-# One-row products over at least this many input features are a multiply-reduce
-# (`linear`); below it XLA's dot was faster (SmolLM2's head, K = 576: 16.2 us against 18.1).
-ONE_ROW_REDUCE_MIN_K = 1024
+Weight = jax.Array | QuantizedWeight
 
 
-def linear(x: jax.Array, weight: jax.Array | QuantizedWeight,
-           bias: jax.Array | None = None, row_scale: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ weight [N, K]^T (* row_scale) (+ bias [N]) -> [..., N] in x.dtype
-    (f32 accumulation).
+class LinearCall(NamedTuple):
+    """What the implementations' `supports` predicates read (shapes and dtypes only):
+    x as its 2-D view [M, K], and the weight (a float [N, K] array or a `QuantizedWeight`;
+    a call may be described with `jax.ShapeDtypeStruct`s in place of arrays)."""
+    x: jax.ShapeDtypeStruct
+    weight: Weight
 
-    `weight` is a float array or a `QuantizedWeight`; the bias is always float.
-    `row_scale` [..., 1] float32 scales each row of the product before the bias: an
-    RMSNorm folded into the weight leaves its 1 / rms(x) to be applied here
-    (`RMSNorm.fold_into`). The product is then rounded to x.dtype before the scale (as a
-    quantized product always is), because XLA does not fuse the scale into the GEMM: a
-    float32 product would be written and read back in full (at 64 tokens the gate/up
-    product alone is 7.3 MB per layer; bench/NOTES.md, serving engine v5). One float row
-    (K >= ONE_ROW_REDUCE_MIN_K) is a reduction, whose float32 product is scaled unrounded.
-    """
-    if isinstance(weight, QuantizedWeight):
-        y = quantized_matmul(x, weight)
-    elif x.size == x.shape[-1] and x.shape[-1] >= ONE_ROW_REDUCE_MIN_K:
-        # One row (batch-1 decode): a multiply and a row reduction over K, which XLA runs
-        # with its reduction emitter in one pass over W: 4.0-4.6 TB/s on an H200 for the
-        # Qwen3 / Llama-3 projections and heads of 16 MB or more. As a dot, XLA's
-        # autotuner picks cuBLAS or a Triton GEMM anew at each compilation, timing them
-        # with W in L2: from HBM up to 2.5x slower (bench/NOTES.md, linear v1).
-        w = weight.astype(x.dtype).astype(jnp.float32)  # the dot's operands, exactly
-        y = jnp.sum(x.astype(jnp.float32)[..., None, :] * w, axis=-1)
-    else:
-        y = jax.lax.dot_general(
-            x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32 if row_scale is None else x.dtype,
-        )
+    @classmethod
+    def describe(cls, x, weight: Weight) -> LinearCall:
+        """The call linear(x [..., K], weight) makes."""
+        rows = math.prod(x.shape[:-1])
+        return cls(jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype), weight)
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.weight, QuantizedWeight)
+
+
+def check_features(x, weight: Weight):
+    """Raises ValueError unless x [..., K] and the weight [N, K] agree on K."""
+    k = weight.shape[-1]
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight {k}")
+
+
+def linear_epilogue(y: jax.Array, dtype, bias: jax.Array | None,
+                    row_scale: jax.Array | None) -> jax.Array:
+    """The product y [..., N] (float32, or already in dtype) -> y * row_scale + bias in
+    dtype, computed in float32 (see the module docstring for where y is rounded)."""
     if bias is None and row_scale is None:
-        return y.astype(x.dtype)
+        return y.astype(dtype)
     y = y.astype(jnp.float32)
     if row_scale is not None:
         y = y * row_scale
     if bias is not None:
         y = y + bias.astype(jnp.float32)
+    return y.astype(dtype)
+
+
+def float_product(x: jax.Array, weight: jax.Array, rounded: bool) -> jax.Array:
+    """x [..., K] @ weight [N, K]^T as one XLA dot of x.dtype operands -> [..., N] in
+    float32, or in x.dtype when `rounded` (a row scale follows: see the module docstring)."""
+    return jax.lax.dot_general(
+        x, weight.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+        preferred_element_type=x.dtype if rounded else jnp.float32)
+
+
+def one_row_product(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., K] (one row in all) @ weight [N, K]^T -> [..., N] float32, as a multiply and
+    a row reduction over K of the dot's operands (x.dtype values, exactly), which XLA runs
+    with its reduction emitter in one pass over W (any number of rows gives the right
+    result, but each row reads W once more)."""
+    w = weight.astype(x.dtype).astype(jnp.float32)  # the dot's operands, exactly
+    return jnp.sum(x.astype(jnp.float32)[..., None, :] * w, axis=-1)
+
+
+def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (e4m3 [M, K], float32 per-token scales [M, 1]), x ~ values * scales."""
+    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    scales = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
+    values = jnp.clip(x.astype(jnp.float32) / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return values, scales
+
+
+def dot_nt(x, w, dtype=jnp.float32):
+    """x [M, K] . w [N, K]^T -> [M, N] in dtype."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
+
+
+def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """The spec of a quantized product: x [M, K] @ W^T -> [M, N] in x.dtype (f32
+    accumulation). W8A8 (`w.activations == "fp8"`) quantizes x per token to e4m3 and runs
+    an fp8 dot; per-channel weights are a dot of the values cast to x.dtype, scaled after
+    (XLA fuses the cast into the dot); others are dequantised to x.dtype first."""
+    if w.activations == "fp8":
+        xq, x_scales = quantize_activations_fp8(x)
+        y = dot_nt(xq, w.values) * x_scales * w.scales[0]
+    elif w.group_size == w.shape[1] and w.offsets is None:
+        y = dot_nt(x, w.values.astype(x.dtype)) * w.scales[0]
+    else:
+        y = dot_nt(x, dequantize(w, x.dtype))
     return y.astype(x.dtype)
+
+
+def quantized_product(matmul, x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [..., K] @ W^T -> [..., N] in x.dtype by matmul(x [M, K], w) -> [M, N], a quantized
+    product of 2-D operands (the reference, or a kernel)."""
+    n, k = w.shape
+    return matmul(x.reshape(-1, k), w).reshape(*x.shape[:-1], n)
+
+
+def linear_reference(x: jax.Array, weight: Weight, bias: jax.Array | None = None,
+                     row_scale: jax.Array | None = None) -> jax.Array:
+    """The spec (see the module docstring): one XLA dot for a float weight, dequantise +
+    dot (`quantized_matmul_reference`) for a quantized one, then the epilogue."""
+    if isinstance(weight, QuantizedWeight):
+        y = quantized_product(quantized_matmul_reference, x, weight)
+    else:
+        y = float_product(x, weight, rounded=row_scale is not None)
+    return linear_epilogue(y, x.dtype, bias, row_scale)

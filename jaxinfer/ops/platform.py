@@ -47,11 +47,3 @@ def tpu_interpret_params():
     from jax.experimental.pallas import tpu as pltpu
     return pltpu.InterpretParams()
 
-
-# TRANSITIONAL (removed when the op registries land): the old dispatchers' default.
-IMPLEMENTATIONS = ("reference", "pallas_tpu", "mosaic_gpu")
-
-
-def default_implementation(kind: str | None = None) -> str:
-    kind = kind or platform()
-    return {"tpu": "pallas_tpu", "hopper": "mosaic_gpu"}.get(kind, "reference")

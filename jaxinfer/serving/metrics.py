@@ -35,9 +35,10 @@ class EngineSnapshot:
 
     @classmethod
     def of(cls, engine) -> EngineSnapshot:
-        return cls(len(engine.waiting), len(engine.running), engine.allocator.num_pages,
-                   engine.allocator.num_free, engine.prefix_query_tokens,
-                   engine.prefix_hit_tokens, engine.num_preemptions, engine.num_computed_tokens)
+        s = engine.stats()
+        return cls(s.num_waiting, s.num_running, s.num_pages, s.num_free_pages,
+                   s.prefix_query_tokens, s.prefix_hit_tokens, s.num_preemptions,
+                   s.num_computed_tokens)
 
 
 class _RateWindow:

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.request import SamplingParams
 
 INT32_MAX = 2**31 - 1
 

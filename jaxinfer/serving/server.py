@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.loading.weights import active_weight_count, step_reads, weight_bytes, weight_count
 from jaxinfer.serving.metrics import EngineSnapshot, Metrics
 from jaxinfer.serving.protocol import (
     APIError,
@@ -47,6 +49,9 @@ from jaxinfer.serving.protocol import (
     now,
     usage,
 )
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import EngineInterface
 
 log = logging.getLogger("jaxinfer.serving.server")
 
@@ -94,7 +99,7 @@ class _Handle:
 class EngineBridge:
     """Owns the engine on one thread; handlers talk to it with `new` + `submit`, and `abort`."""
 
-    def __init__(self, engine, metrics: Metrics):
+    def __init__(self, engine: EngineInterface, metrics: Metrics):
         self.engine, self.metrics = engine, metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -381,10 +386,12 @@ def _collected(deltas, with_logprobs: bool) -> tuple[str, list[int], list | None
 
 
 def _model_info(llm) -> dict[str, float]:
-    from jaxinfer.benchmarks.harness import weight_bytes, weight_count
-
+    """The model's sizes for /metrics; `jaxinfer bench serve` computes its decode floor from
+    them (the step_reads_* fields: `jaxinfer.loading.weights.StepReads`)."""
     c, kv = llm.config, llm.runner.kv_cache[0][0]
     return {"weight_bytes": weight_bytes(llm.model), "weight_count": weight_count(llm.model),
+            "active_weight_count": active_weight_count(llm.model),
+            **step_reads(llm.model).as_info(),
             "vocab_size": c.vocab_size,
             "max_len": llm.max_model_len,
             "kv_bytes_per_token": c.kv_bytes_per_token(kv.dtype.itemsize)}

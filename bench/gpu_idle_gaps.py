@@ -1,10 +1,10 @@
 """Where the GPU sits idle during decode: a jax.profiler trace of a few engine steps (the
-workload of bench/host_overhead.py), read back with jax.profiler.ProfileData. Prints the
-GPU's busy and idle time inside the traced steps, the idle time split by gap length, and
-the longest gaps with the kernels around them and the host work (XLA runtime annotations)
-running while the GPU waited.
+decode workload of bench/host_overhead.py, `jaxinfer.benchmarks.end_to_end.decoding_llm`),
+read back with jax.profiler.ProfileData. Prints the GPU's busy and idle time inside the
+traced steps, the idle time split by gap length, and the longest gaps with the kernels
+around them and the host work (XLA runtime annotations) running while the GPU waited.
 
-    python bench/timeline.py --preset llama3-8b --batch 1 --decode-steps 8
+    python bench/gpu_idle_gaps.py --preset llama3-8b --batch 1 --decode-steps 8
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ import collections
 import glob
 import json
 import tempfile
+
+import jax
+from jax.profiler import ProfileData
+
+from jaxinfer.benchmarks.end_to_end import decoding_llm, workload_parser
 
 
 def device_events(planes, device: str = "/device:GPU:0"):
@@ -49,14 +54,9 @@ def gaps(events, lo: float, hi: float):
 
 
 def main():
-    from host_overhead import decoding_llm, workload_parser  # bench/, beside this script
-
-    ap = workload_parser(4, "engine steps traced")
+    ap = workload_parser(4, "engine steps traced", __doc__.split("\n")[0])
     ap.add_argument("--top", type=int, default=12, help="longest gaps listed")
     args = ap.parse_args()
-    import jax
-    from jax.profiler import ProfileData
-
     llm, _ = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
                           args.mesh, page_size=args.page_size)
     options = jax.profiler.ProfileOptions()

@@ -1,7 +1,9 @@
-"""Ragged paged attention on the GPU, side by side in one run (issue 3's table).
+"""Ragged paged attention on the GPU, side by side in one run: our kernels, jax's stock
+paged_attention, the XLA reference and cuDNN.
 
-  python bench/attention.py [--quick] [--tune] [--decode-sweep] [--json FILE]
-  python bench/attention.py --batch1-sweep [--kv-heads 4] [--contexts 576] [--batches 1,4,16]
+  python bench/attention_kernels.py [--quick] [--tune] [--decode-sweep] [--json FILE]
+  python bench/attention_kernels.py --batch1-sweep [--kv-heads 4] [--contexts 576]
+      [--batches 1,4,16]
 
 Rows: our Mosaic GPU kernel (`attend_pages_mgpu`: the query tiling, the kernel
 and the split combine; the k/v write is left out because outside a benchmark the
@@ -13,7 +15,10 @@ mixed step is also compared with cuDNN (`jax.nn.dot_product_attention`) on the
 equivalent dense problem. `--batch1-sweep` times small decode batches (one token per
 sequence): the Mosaic kernel, our Pallas GPU (Triton) kernel (`attend_pages_gpu`, its
 default and other block sizes / split counts) and jax's stock paged_attention. Times are
-CUPTI kernel-time medians.
+CUPTI kernel-time medians (`jaxinfer.benchmarks.harness.median_seconds`); the batch-1
+sweep also prints each kernel's share (`harness.kernel_times`). Inputs:
+`jaxinfer.benchmarks.kernels.paged_attention_case` (32 query heads, 8 KV heads of 128,
+16-token pages unless a flag says otherwise).
 """
 
 from __future__ import annotations
@@ -27,57 +32,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.benchmarks.harness import format_rows, measure_ceilings, median_seconds, roofline
+from jaxinfer.benchmarks.harness import (
+    format_rows,
+    kernel_times,
+    measure_ceilings,
+    median_seconds,
+    roofline,
+)
+from jaxinfer.benchmarks.kernels import attention_over_pages, paged_attention_case
 from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu
-from jaxinfer.ops.attention import AttentionMetadata, ragged_paged_attention
+from jaxinfer.ops.attention_registry import ragged_paged_attention
 from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import attend_pages_gpu
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-
-
-def batch(seqs, kv_dtype=jnp.bfloat16, seed=0, page=PAGE, hkv=HKV, width=None):
-    """Inputs for one step: seqs = [(q_len, kv_len)], pages of `page` tokens shuffled over
-    the pool, `hkv` KV heads (HQ query heads); `width` pages per sequence in page_indices
-    (default: the fewest that hold the longest; the engine pads it to a power of two)."""
-    rng = np.random.default_rng(seed)
-    T = sum(q for q, _ in seqs)
-    P = max(width or 0, max(-(-kv // page) for _, kv in seqs))
-    num_pages = sum(-(-kv // page) for _, kv in seqs)
-    perm = rng.permutation(num_pages).astype(np.int32)
-    page_indices = np.zeros((len(seqs), P), np.int32)
-    start = 0
-    for s, (_, kv) in enumerate(seqs):
-        n = -(-kv // page)
-        page_indices[s, :n] = perm[start:start + n]
-        start += n
-    ks = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(ks[0], (T, HQ, D), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (T, hkv, D), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (T, hkv, D), jnp.bfloat16)
-    kp = jax.random.normal(ks[3], (num_pages, page, hkv, D), jnp.bfloat16).astype(kv_dtype)
-    vp = jax.random.normal(ks[4], (num_pages, page, hkv, D), jnp.bfloat16).astype(kv_dtype)
-    md = AttentionMetadata(
-        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum([q for q, _ in seqs])]), jnp.int32),
-        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
-        page_indices=jnp.asarray(page_indices), num_seqs=jnp.array([len(seqs)], jnp.int32))
-    kv_bytes = sum(2 * kv * hkv * D * jnp.dtype(kv_dtype).itemsize for _, kv in seqs)
-    # Causal FLOPs: each query token sees kv_len - q_len + i + 1 keys.
-    seen = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in seqs)
-    return (q, k, v, kp, vp, md), kv_bytes, 4 * seen * HQ * D
+HQ, HKV, D, PAGE = 32, 8, 128, 16  # paged_attention_case's defaults
 
 
 def ours(config=None, **kw):
-    """Attention over the pages (q, k, v, k_pages, v_pages, md); k/v are not written."""
-    return jax.jit(lambda q, k, v, kp, vp, md: attend_pages_mgpu(
-        q, kp, vp, md, sm_scale=D ** -0.5, config=config, **kw))
+    """The Mosaic GPU kernel over the pages; k/v are not written."""
+    return attention_over_pages(attend_pages_mgpu, config=config, **kw)
 
 
 def pallas_gpu(**kw):
     """The Pallas GPU (Triton) kernel over the pages; k/v are not written (its no-write
     branch: one load per block, where the engine's call also gathers this step's rows
     from k/v)."""
-    return jax.jit(lambda q, k, v, kp, vp, md: attend_pages_gpu(
-        q, kp, vp, md, sm_scale=D ** -0.5, **kw)[0])
+    return attention_over_pages(attend_pages_gpu, **kw)
 
 
 def full(implementation, **kw):
@@ -108,13 +87,8 @@ def stock_paged_attention(args):
 
 def kernel_breakdown(fn, args, iters=11):
     """Prints each kernel's median time (us) of one call of fn (CUPTI)."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    jax.block_until_ready(fn(*args))
-    runs = [profiler.measure(fn, aggregate=False)(*args)[1] for _ in range(iters)]
-    names = [n for n, _ in runs[0]]
-    medians = [float(np.median([r[i][1] for r in runs])) * 1e3 for i in range(len(names))]
-    parts = [f"{n[:40]} {t:.2f}" for n, t in zip(names, medians, strict=True)]
+    _, per_kernel = kernel_times(fn, [args], iters=iters)
+    parts = [f"{n[:40]} {t * 1e6:.2f}" for n, t in per_kernel]
     print("    kernels: " + ", ".join(parts), flush=True)
 
 
@@ -147,8 +121,7 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     c = measure_ceilings()
-    print(f"ceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
-          f"{c.matmul_flops_per_s / 1e12:.0f} TFLOP/s", flush=True)
+    print(c.line(), flush=True)
     rows, extra = [], {}
 
     def add(name, fn, args, kv_bytes, flops):
@@ -164,7 +137,7 @@ def main():
         # (block_kv, num_stages) with decode's tile_rows 8 and no KV split
         configs = [(128, 2), (64, 3), (64, 4), (64, 5)]
         for (label, seqs), page in itertools.product(shapes, map(int, a.page_sizes.split(","))):
-            args, nbytes, flops = batch(seqs, page=page)
+            args, nbytes, flops = paged_attention_case(seqs, page_size=page)
             label = f"{label} page={page}"
             check(full("mosaic_gpu"), reference(), args, label)
             add(f"{label} mosaic default", ours(), args, nbytes, flops)
@@ -183,7 +156,8 @@ def main():
                                           map(int, a.batches.split(","))):
             # page_indices as wide as the engine makes it (a power of two of pages)
             width = 1 << (-(-ctx // PAGE) - 1).bit_length()
-            args, nbytes, flops = batch([(1, ctx)] * bsz, hkv=a.kv_heads, width=width)
+            args, nbytes, flops = paged_attention_case(
+                [(1, ctx)] * bsz, num_kv_heads=a.kv_heads, width=width)
             label = f"B={bsz} Hkv={a.kv_heads} ctx={ctx}"
             check(full("mosaic_gpu"), reference(), args, label)
             check(full("pallas_gpu"), reference(), args, label + " pallas_gpu")
@@ -204,7 +178,7 @@ def main():
     decodes = [("decode B=64 ctx=2048", [(1, 2048)] * 64),
                ("decode B=8 ctx=32768", [(1, 32768)] * 8)]
     for label, seqs in decodes[:1] if a.quick else decodes:
-        args, nbytes, flops = batch(seqs)
+        args, nbytes, flops = paged_attention_case(seqs)
         check(full("mosaic_gpu"), reference(), args, label)
         t_ours = add(f"{label} mosaic", ours(), args, nbytes, flops)
         fn, sargs = stock_paged_attention(args)
@@ -220,18 +194,18 @@ def main():
 
     # fp8 KV vs bf16 at context 8192.
     seqs = [(1, 8192)] * 32
-    args16, b16, fl = batch(seqs)
-    args8, b8, _ = batch(seqs, kv_dtype=jnp.float8_e4m3fn)
+    args16, b16, fl = paged_attention_case(seqs)
+    args8, b8, _ = paged_attention_case(seqs, kv_dtype=jnp.float8_e4m3fn)
     check(full("mosaic_gpu", k_scale=1.0, v_scale=1.0),
           full("reference", k_scale=1.0, v_scale=1.0),
-          batch([(1, 1024)] * 4, kv_dtype=jnp.float8_e4m3fn)[0], "fp8 small")
+          paged_attention_case([(1, 1024)] * 4, kv_dtype=jnp.float8_e4m3fn)[0], "fp8 small")
     t16 = add("decode B=32 ctx=8192 bf16 KV mosaic", ours(), args16, b16, fl)
     t8 = add("decode B=32 ctx=8192 fp8 KV mosaic", ours(k_scale=1.0, v_scale=1.0), args8, b8, fl)
     extra["fp8 speedup vs bf16 (ctx 8192)"] = t16 / t8
 
     # Mixed step: 2048 new tokens of one sequence over an 8192 context, plus 64 decodes.
     seqs = [(2048, 8192)] + [(1, 2048)] * 64
-    args, nbytes, flops = batch(seqs)
+    args, nbytes, flops = paged_attention_case(seqs)
     t_mixed = add("mixed 2048 prefill over 8192 + 64 decodes mosaic", ours(), args, nbytes, flops)
     if a.tune:
         for cfg in [Config(128, 2, 2, 1), Config(64, 3, 2, 1), Config(128, 3, 2, 1)]:

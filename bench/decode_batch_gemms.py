@@ -1,11 +1,11 @@
 """Float GEMMs of a decode batch (M = 16..128 tokens): XLA's pick against split-K variants.
 
-    python bench/skinny_gemm.py [--preset llama3-8b] [--ms 32,64,128] [--iters 30]
+    python bench/decode_batch_gemms.py [--preset llama3-8b] [--ms 32,64,128] [--iters 30]
 
 y = x @ W^T, x [M, K] bf16, W [N, K] bf16, for each projection of the preset (the fused
 q/k/v and gate/up, o, down). Variants, each a jitted function timed on the same inputs:
 
-  xla          `jaxinfer.ops.linear.linear` as the model calls it (XLA's autotuned pick).
+  xla          `jaxinfer.ops.linear_registry.linear` as the model calls it (XLA's autotuned pick).
   cublas       the same, compiled with Triton GEMMs off (cuBLAS only).
   splitK=s     x and W cut into s pieces along K, one batched dot [s, M, N] in float32,
                summed over s; W viewed as [N, s, K/s] (XLA may copy it to batch-major).
@@ -23,19 +23,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quantized_matmul import Rotating, copies  # noqa: E402
-
-from jaxinfer.benchmarks.harness import measure_ceilings, median_seconds  # noqa: E402
-from jaxinfer.loading.presets import preset_config  # noqa: E402
-from jaxinfer.ops.linear import linear  # noqa: E402
+from jaxinfer.benchmarks.harness import Rotating, copies, measure_ceilings, median_seconds
+from jaxinfer.loading.presets import preset_config
+from jaxinfer.ops.linear_registry import linear
 
 
 def projections(config) -> dict[str, tuple[int, int]]:

@@ -1,6 +1,6 @@
-"""Quantized matmuls on the GPU, side by side in one run (issue 4's table).
+"""Quantized matmuls on the GPU, side by side in one run: ours, XLA and jax's stock kernel.
 
-  python bench/quantized_matmul.py [--quick] [--shapes square,llama] [--ms 1,16,64,...]
+  python bench/quantized_matmul_kernels.py [--quick] [--shapes square,llama] [--ms 1,16,64,...]
                                    [--formats int8,int4,...] [--iters N] [--max-minutes T]
                                    [--out FILE.md] [--json FILE] [--cpu-smoke]
 
@@ -13,15 +13,15 @@ table per weight shape, one row per (M, format):
               `QuantizedWeight.nbytes` (values + float32 scales), 2NK for bf16. "bw" or
               "flop" says which bound it is. W8A8 (fp8) may beat the flop floor (fp8 tensor
               cores run at twice the bf16 rate).
-  XLA         bf16 row: the XLA bf16 dot (`jaxinfer.ops.linear.linear`); other rows: XLA with
-              fused dequantisation of that format (`quantized_matmul(implementation=
+  XLA         bf16 row: the XLA bf16 dot (`jaxinfer.ops.linear_registry.linear`); other rows:
+              XLA with fused dequantisation of that format (`linear(implementation=
               "reference")`; for fp8 W8A8 it includes the per-token activation quantization).
   stock       int8 rows: jax's Hopper `hopper_mixed_type_matmul_mgpu.mixed_matmul_kernel`
               with the operands swapped (a = W int8 [N, K], b = x^T [K, Mp] bf16, x padded to
               Mp rows, shown as "M->Mp"); the kernel alone, the padding and transposes of x
               and y are left out, and it has no scales. The first TuningConfig of a short list
               that compiles and agrees with XLA is timed.
-  ours        `quantized_matmul(x, w)` as the engine dispatches it on Hopper: the Mosaic
+  ours        `linear(x, w)` as the engine dispatches it on Hopper: the Mosaic
               kernel for int8 / int4 (per channel or group 128) up to 16 tokens (32 when
               measured), above that the XLA reference (fused dequant); fp8 W8A8 and
               weight-only run XLA's fp8 dot / fused dequant. Before timing, its
@@ -31,10 +31,11 @@ table per weight shape, one row per (M, format):
   vs bf16 / vs XLA / vs stock: speed-ups of ours (their time / ours) over the XLA bf16
               dot, XLA with the same format, and the stock kernel.
 
-Times are CUPTI kernel-time medians (`jaxinfer.benchmarks.harness.median_seconds`; host wall time on
-the CPU). Each timed function reads its weight from one of several copies in turn, enough
-copies to exceed the L2 cache several times over, so that back-to-back calls read the
-weight from HBM as a real decode step would (a decode step streams every layer's weights).
+Times are CUPTI kernel-time medians (`jaxinfer.benchmarks.harness.median_seconds`; host
+wall time on the CPU). Each timed function reads its weight from one of several copies in
+turn (`harness.Rotating`, `harness.copies`), enough copies to exceed the L2 cache several
+times over, so that back-to-back calls read the weight from HBM as a real decode step
+would (a decode step streams every layer's weights).
 Each function is jitted once; weights are quantized on the device once per shape; inputs
 are fresh random normals per (shape, M). A cell that cannot run prints "n/a (reason)".
 """
@@ -45,16 +46,25 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.benchmarks.harness import measure_ceilings, median_seconds
-from jaxinfer.ops.linear import linear
+from jaxinfer.benchmarks.harness import (
+    ROTATE_BYTES,
+    Cell,
+    Rotating,
+    copies,
+    disagreement,
+    measure_ceilings,
+    median_seconds,
+    short,
+    timed_cell,
+)
+from jaxinfer.mosaic.quantized_matmul import unsupported_reason
+from jaxinfer.ops.linear_registry import linear
 from jaxinfer.ops.quant import parse_format, quantize
-from jaxinfer.ops.quantized_matmul import quantized_matmul
 
 SHAPES = {  # (name, N, K)
     "square": [("square", 8192, 8192)],
@@ -66,75 +76,6 @@ SHAPES = {  # (name, N, K)
 }
 MS = (1, 16, 64, 128, 1024, 4096)
 FORMATS = ("int8", "int4", "int8:g128", "int4:g128", "fp8", "fp8:weight-only")
-ROTATE_BYTES = 256 << 20  # weight copies cycled per timed function: ~5x an H100's 50 MB L2
-MAX_COPIES = 64
-
-
-@dataclasses.dataclass
-class Cell:
-    seconds: float | None = None
-    note: str = ""  # "n/a (why)", "FAIL (why)", "skipped (...)", or a remark ("M->16")
-
-    def text(self) -> str:
-        if self.seconds is None:
-            return self.note or "-"
-        us = f"{self.seconds * 1e6:.1f}"
-        return f"{us} ({self.note})" if self.note else us
-
-
-def short(e: BaseException | str, limit: int = 70) -> str:
-    """One line of an exception (or a reason), short enough for a table cell."""
-    msg = (str(e).strip().splitlines() or [""])[0]
-    if isinstance(e, BaseException):
-        msg = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
-    msg = msg.replace("|", "/")
-    return msg if len(msg) <= limit else msg[:limit - 3] + "..."
-
-
-class Rotating:
-    """Calls fn on each of `arg_sets` in turn, one set per call, so that a timed call reads
-    buffers last touched len(arg_sets) - 1 calls ago (not from L2). It has jit's `trace` and
-    `lower`, so `profiler.measure` calls it as it is instead of jitting (and freezing) it."""
-
-    def __init__(self, fn, arg_sets):
-        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
-        assert isinstance(self, jax.stages.Wrapped)
-
-    def __call__(self, *_):
-        self.i = (self.i + 1) % len(self.arg_sets)
-        return self.fn(*self.arg_sets[self.i])
-
-    def trace(self, *args, **kw):
-        return self.fn.trace(*args, **kw)
-
-    def lower(self, *args, **kw):
-        return self.fn.lower(*args, **kw)
-
-
-def copies(tree, nbytes: int) -> list:
-    """tree and distinct on-device copies of it, enough to cover ROTATE_BYTES."""
-    count = min(MAX_COPIES, max(1, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
-    return [tree] + [jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
-                     for _ in range(count - 1)]
-
-
-@jax.jit
-def _agreement(got, want):
-    """(max |got - want|, max |want|, all finite) in float32."""
-    g, w = got.astype(jnp.float32), want.astype(jnp.float32)
-    return jnp.max(jnp.abs(g - w)), jnp.max(jnp.abs(w)), jnp.all(jnp.isfinite(g))
-
-
-def disagreement(got, want, tol: float) -> str | None:
-    """None if max |got - want| <= tol * max |want| (and got is finite), else why not."""
-    if got.shape != want.shape:
-        return f"shape {got.shape} != {want.shape}"
-    err, scale, finite = (float(v) for v in _agreement(got, want))
-    if not finite:
-        return "non-finite output"
-    if err > tol * scale:
-        return f"max err {err / max(scale, 1e-30):.2g} of max|ref| > {tol:g}"
-    return None
 
 
 # --- jax's stock Hopper int8 x bf16 kernel -----------------------------------------------------
@@ -291,26 +232,18 @@ def main():
         header.append("not a GPU: host wall times; ours runs in Mosaic GPU interpret mode")
     print("\n".join(header), flush=True)
 
-    ref = jax.jit(functools.partial(quantized_matmul, implementation="reference"))
+    ref = jax.jit(functools.partial(linear, implementation="reference"))
     # On the GPU: the engine's own dispatch (the Mosaic kernel where it applies, else its
     # XLA path); on the CPU the kernel itself, in interpret mode.
     gpu = jax.default_backend() == "gpu"
-    ours = jax.jit(functools.partial(quantized_matmul,
+    ours = jax.jit(functools.partial(linear,
                                      implementation=None if gpu else "mosaic_gpu"))
     bf16 = jax.jit(linear)
     quantize_on_device = jax.jit(quantize, static_argnums=1)
     tables, records = [], []
 
     def timed(label, fn, arg_sets) -> Cell:
-        if time.perf_counter() > deadline:
-            return Cell(note="skipped (time budget)")
-        try:
-            t = bench(Rotating(fn, arg_sets))
-        except Exception as e:  # noqa: BLE001
-            print(f"    {label}: {short(e, 300)}", flush=True)
-            return Cell(note=f"n/a ({short(e, 60)})")
-        print(f"    {label}: {t * 1e6:.1f} us", flush=True)
-        return Cell(t)
+        return timed_cell(label, bench, fn, arg_sets, deadline)
 
     def time_ours(label, x, w_copies) -> Cell:
         """Ours on (x, w), checked against the XLA reference on the same inputs, then timed."""
@@ -319,9 +252,7 @@ def main():
         w = w_copies[0][1]
         tol = 1e-1 if w.activations == "fp8" else 2e-2  # W8A8 : weight-only
         try:
-            from jaxinfer.mosaic import quantized_matmul as mosaic_qmm
-
-            why = getattr(mosaic_qmm, "unsupported_reason", lambda *_: None)(x, w)
+            why = unsupported_reason(x, w)
             if why is not None and not gpu:
                 print(f"    {label}: unsupported: {why}", flush=True)
                 return Cell(note=f"n/a ({short(why, 60)})")

@@ -2,22 +2,25 @@
 throughput`, run once to compile, then again under CUPTI; prints wall time, kernel time
 and the kernels with the most time (summed by name).
 
-    python bench/step_profile.py --preset llama3-8b --num-requests 64 --input-len 1024 \
-        --output-len 256 --decode-steps 8
+    python bench/throughput_kernels.py --preset llama3-8b --num-requests 64 \\
+        --input-len 1024 --output-len 256 --decode-steps 8
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import time
 
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.benchmarks.harness import kernel_table, recorded_kernels
+from jaxinfer.loading.presets import preset_config, random_model
+
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1024)
@@ -27,11 +30,6 @@ def main():
     ap.add_argument("--kv-cache-gb", type=float, default=24)
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args()
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
-
-    from jaxinfer import LLM, SamplingParams
-    from jaxinfer.loading.presets import preset_config, random_model
-
     config = preset_config(args.preset)
     llm = LLM(random_model(config, jnp.bfloat16), kv_cache_bytes=int(args.kv_cache_gb * 2**30),
               max_model_len=args.input_len + args.output_len + 16,
@@ -50,30 +48,13 @@ def main():
     llm.generate(prompts(), params)
     wall = time.perf_counter() - t
     print(f"wall {wall:.2f} s, {llm.engine.num_steps - steps0} engine steps")
-    cupti = mosaic_gpu_lib._mosaic_gpu_ext
-    cupti._cupti_init()
-    t = time.perf_counter()
-    try:
+    with recorded_kernels() as kernels:
+        t = time.perf_counter()
         llm.generate(prompts(), params)
-    finally:
-        kernels = cupti._cupti_get_timings(True)
     wall = time.perf_counter() - t
     busy = sum(ms for _, ms in kernels) / 1e3
     print(f"under CUPTI: wall {wall:.2f} s, kernels {busy:.2f} s ({len(kernels)} launches)")
     print(kernel_table(kernels, args.top))
-
-
-def kernel_table(kernels: list[tuple[str, float]], top: int) -> str:
-    """CUPTI's (name, ms) records -> a markdown table of the `top` kernels by summed time."""
-    total, count = collections.Counter(), collections.Counter()
-    for name, ms in kernels:
-        total[name[:90]] += ms
-        count[name[:90]] += 1
-    busy = sum(total.values())
-    lines = ["| kernel | calls | total ms | share |", "| --- | --- | --- | --- |"]
-    lines += [f"| {name} | {count[name]} | {ms:.1f} | {100 * ms / busy:.1f}% |"
-              for name, ms in total.most_common(top)]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where the batch-1 attention kernel's time goes, from inside it: the Mosaic GPU profiler.
 
-  python bench/attention_profile.py [--ctx 576] [--kv-heads 4]
+  python bench/attention_kernel_regions.py [--ctx 576] [--kv-heads 4]
 
 Prints (1) the CUPTI time of an empty Mosaic GPU kernel (a launch's fixed cost), (2) the
 attention kernel's CUPTI time at one decode token (Qwen3-30B-A3B's heads by default) for a
@@ -25,19 +25,23 @@ import tempfile
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
-from attention import PAGE, batch, ours
-from jax.experimental.mosaic.gpu import profiler
 
-from jaxinfer.mosaic.ragged_paged_attention import Config
+from jaxinfer.benchmarks.harness import kernel_times
+from jaxinfer.benchmarks.kernels import attention_over_pages, paged_attention_case
+from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu
+
+PAGE = 16  # tokens per KV page
 
 
 def cupti_us(fn, *args, iters=21):
     """[(kernel, median us)] of one call of fn."""
-    jax.block_until_ready(fn(*args))
-    runs = [profiler.measure(fn, aggregate=False)(*args)[1] for _ in range(iters)]
-    return [(name[:40], round(float(np.median([r[i][1] for r in runs]) * 1e3), 2))
-            for i, (name, _) in enumerate(runs[0])]
+    _, per_kernel = kernel_times(fn, [args], iters=iters)
+    return [(name[:40], round(t * 1e6, 2)) for name, t in per_kernel]
+
+
+def ours(config=None):
+    """The Mosaic GPU kernel over the pages (k/v not written)."""
+    return attention_over_pages(attend_pages_mgpu, config=config)
 
 
 def empty_kernel(grid: int, warpgroups: int, smem_kb: int):
@@ -59,7 +63,8 @@ def main():
               cupti_us(empty_kernel(grid, wgs, smem_kb)), flush=True)
 
     width = 1 << (-(-a.ctx // PAGE) - 1).bit_length()
-    args, _, _ = batch([(1, a.ctx)], hkv=a.kv_heads, width=width)
+    args, _, _ = paged_attention_case([(1, a.ctx)], num_kv_heads=a.kv_heads, page_size=PAGE,
+                                      width=width)
     for cfg in [None, Config(128, 3, 1, 1, 8), Config(64, 3, 1, 2, 8), Config(64, 6, 1, 1, 8)]:
         print(f"attention {cfg or 'default'}:", cupti_us(ours(cfg), *args), flush=True)
 

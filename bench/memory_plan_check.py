@@ -3,7 +3,7 @@ memory limit, builds the random-weight model on the mesh, then the engine with t
 cache, then runs one batch, and prints planned vs measured bytes per device (the devices'
 memory_stats: bytes_in_use after each stage, peak_bytes_in_use after the batch).
 
-    python bench/plan_check.py [--preset llama3-8b] [--mesh tp=2] [--hbm-gb G]
+    python bench/memory_plan_check.py [--preset llama3-8b] [--mesh tp=2] [--hbm-gb G]
 
 The limit is memory_stats()["bytes_limit"], what JAX's allocator may hold (already
 XLA_PYTHON_CLIENT_MEM_FRACTION of the HBM, 0.75 by default), so the plan uses all of it
@@ -11,7 +11,7 @@ XLA_PYTHON_CLIENT_MEM_FRACTION of the HBM, 0.75 by default), so the plan uses al
 are no memory stats: pass --hbm-gb; everything runs and the measured columns say n/a:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-        python bench/plan_check.py --preset tiny --mesh tp=2 --hbm-gb 1
+        python bench/memory_plan_check.py --preset tiny --mesh tp=2 --hbm-gb 1
 """
 
 from __future__ import annotations

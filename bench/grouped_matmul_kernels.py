@@ -1,9 +1,8 @@
 """MoE expert grouped matmuls on the GPU: ours against XLA and jax's Mosaic GPU ragged dot.
 
-  python bench/grouped_matmul.py [--quick] [--models qwen3,mixtral] [--proj gate_up,down]
-                                 [--tokens 1,8,64,512,4096] [--draws N] [--iters N]
-                                 [--sweep] [--xla-max-seconds S] [--max-minutes T]
-                                 [--quantize FMT] [--out FILE.md] [--cpu-smoke]
+  python bench/grouped_matmul_kernels.py [--quick] [--models qwen3,mixtral]
+      [--proj gate_up,down] [--tokens 1,8,64,512,4096] [--draws N] [--iters N] [--sweep]
+      [--xla-max-seconds S] [--max-minutes T] [--quantize FMT] [--out FILE.md] [--cpu-smoke]
 
 y = x @ W[e]^T per row's expert e, x [tokens * top_k, hidden] bf16 sorted by expert,
 W [E, N, K] bf16 (`jaxinfer.ops.grouped_matmul`). Expert shapes:
@@ -29,9 +28,9 @@ Columns:
                matmul rate), both ceilings measured in this run (`measure_ceilings`)
   ours         `grouped_matmul(..., implementation="mosaic_gpu")` (jitted), checked first
                against the XLA reference on the same inputs: "err" is max |ours - ref| /
-               max |ref| (FAIL above 2e-2). Where `moe.aligns_groups` (Qwen3 at 512 and
+               max |ref| (FAIL above 2e-2). Where `aligns_groups` (Qwen3 at 512 and
                4096 tokens, Mixtral at 4096) it gets the rows as the MoE layer lays them
-               out for prefill (`moe._align_groups`): each expert's group padded to a
+               out for prefill (`expert_routing.align_groups`): each expert's group padded to a
                multiple of 8 rows, `groups_aligned=True`
                (rows column: "aligned, R" = the layout's static row count); the floor and
                the peers keep the real rows
@@ -58,17 +57,23 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from quantized_matmul import Cell, Rotating, disagreement, short  # bench/ helpers
 
-from jaxinfer.benchmarks.harness import measure_ceilings, median_seconds
-from jaxinfer.models.moe import aligns_groups
-from jaxinfer.mosaic.grouped_matmul import upcasts_in_registers
-from jaxinfer.ops.grouped_matmul import (
-    GROUP_ALIGN,
+from jaxinfer.benchmarks.harness import (
+    Cell,
+    disagreement,
+    measure_ceilings,
+    median_seconds,
+    short,
+    timed_cell,
+)
+from jaxinfer.mosaic import grouped_matmul as mgm
+from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu, upcasts_in_registers
+from jaxinfer.ops.expert_routing import aligns_groups
+from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, grouped_matmul_rows
+from jaxinfer.ops.grouped_matmul_registry import (
     QUANT_ROWS_MAX_M,
     ROW_REDUCE_MAX_M,
     grouped_matmul,
-    grouped_matmul_rows,
 )
 from jaxinfer.ops.quant import dequantize, quantize
 
@@ -101,8 +106,6 @@ def mgpu_candidates(rows: int) -> list[dict]:
 
 def sweep_configs(x, w):
     """Our default config for these shapes and a few neighbours (for --sweep)."""
-    from jaxinfer.mosaic import grouped_matmul as mgm
-
     m, k = x.shape
     e, n, _ = w.shape
     base = mgm.choose_config(m, e, n, k, mgm.num_sms())
@@ -173,15 +176,7 @@ def main():
     ref = jax.jit(functools.partial(grouped_matmul, implementation="reference"))
 
     def timed(label, fn, arg_sets) -> Cell:
-        if time.perf_counter() > deadline:
-            return Cell(note="skipped (time budget)")
-        try:
-            t = bench(Rotating(fn, arg_sets))
-        except Exception as e:  # noqa: BLE001  (lowering / compile / SMEM / OOM)
-            print(f"    {label}: {short(e, 300)}", flush=True)
-            return Cell(note=f"n/a ({short(e, 60)})")
-        print(f"    {label}: {t * 1e6:.1f} us", flush=True)
-        return Cell(t)
+        return timed_cell(label, bench, fn, arg_sets, deadline)
 
     def checked(label, fn, arg_sets, want) -> tuple[Cell, str]:
         """fn timed after its output on the first arg set is compared with `want`."""
@@ -278,8 +273,6 @@ def main():
                     role = "the default" if m <= by_row else "for comparison"
                     checked(f"{label} grouped_matmul_rows ({role})", rows_fn, arg_sets, want)
                 if a.sweep and gpu:
-                    from jaxinfer.mosaic.grouped_matmul import grouped_matmul_mgpu
-
                     for cfg in sweep_configs(our_sets[0][0], w):
                         fn = jax.jit(functools.partial(grouped_matmul_mgpu, config=cfg,
                                                        groups_aligned=aligned))

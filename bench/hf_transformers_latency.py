@@ -1,7 +1,9 @@
-"""HF transformers + torch on the same GPU, the same random-weight shape, for side-by-side
-end-to-end figures with `jaxinfer bench latency / throughput`.
+"""HF transformers + torch on the same GPU, the same random-weight shape: time to first
+token and per-token decode time, for side-by-side figures with `jaxinfer bench latency`.
+Timed with torch's own clock and synchronisation (the jaxinfer harness times JAX work).
 
-    python bench/hf_e2e.py --preset llama3-8b --input-len 512 --output-len 128 --batch 1
+    python bench/hf_transformers_latency.py --preset llama3-8b --input-len 512 \\
+        --output-len 128 --batch 1
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def main():
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.preset])).eval()
     ids = torch.randint(2, 128000, (args.batch, args.input_len), device="cuda")
 
-    def timed(fn):
+    def torch_timed(fn):
+        """(fn(), its seconds), torch's queued GPU work waited for before and after."""
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = fn()
@@ -44,8 +47,8 @@ def main():
     with torch.no_grad():
         for _ in range(2):  # warm up
             model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        ttfts = [timed(lambda: model(ids))[1] for _ in range(5)]
-        _, total = timed(lambda: model.generate(
+        ttfts = [torch_timed(lambda: model(ids))[1] for _ in range(5)]
+        _, total = torch_timed(lambda: model.generate(
             ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len,
             do_sample=False))
     ttft = statistics.median(ttfts)

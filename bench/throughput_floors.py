@@ -1,9 +1,10 @@
 """The floors of a `jaxinfer bench throughput` run, without a GPU: replays the run's schedule
 (the same prompt lengths and engine settings, hence the same steps) through
-`bench_throughput`'s accounting, with a runner that returns its tokens at once and the
-ceilings the run measured. Checks or recomputes a recorded run's floor rows.
+`jaxinfer.benchmarks.end_to_end.bench_throughput`'s accounting (the weights a step reads:
+`jaxinfer.loading.weights`), with a runner that returns its tokens at once and the ceilings
+the run measured. Checks or recomputes a recorded run's floor rows.
 
-    python bench/replay_floor.py --preset llama3-8b --num-requests 64 --input-len 1024 \\
+    python bench/throughput_floors.py --preset llama3-8b --num-requests 64 --input-len 1024 \\
         --output-len 256 --max-num-seqs 64 --max-num-batched-tokens 2048 --kv-cache-gb 24 \\
         --decode-steps 32 --copy-gbps 2945.9 --matmul-tflops 820.84 --seconds 4.2988
 """
@@ -17,6 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.benchmarks.end_to_end import bench_throughput
+from jaxinfer.benchmarks.harness import Ceilings
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import StepOutput
+from jaxinfer.loading.presets import preset_config
+from jaxinfer.models import Decoder
+
 
 class InstantRunner:
     """The engine's runner interface; each sequence gets min(num_steps, remaining) tokens."""
@@ -28,8 +36,6 @@ class InstantRunner:
         return [min(num_steps, c.remaining) for c in chunks]
 
     def collect(self, counts):
-        from jaxinfer.engine.runner import StepOutput
-
         tokens = np.full((len(counts), max(counts)), -1, np.int32)
         for s, n in enumerate(counts):
             tokens[s, :n] = 2
@@ -37,7 +43,7 @@ class InstantRunner:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="llama3-8b")
     for name, default in (("num-requests", 64), ("input-len", 1024), ("output-len", 256),
                           ("max-num-seqs", 64), ("max-num-batched-tokens", 2048),
@@ -48,11 +54,6 @@ def main():
     ap.add_argument("--matmul-tflops", type=float, required=True)
     ap.add_argument("--seconds", type=float, default=None, help="the run's measured time")
     args = ap.parse_args()
-    from jaxinfer.benchmarks.harness import Ceilings, bench_throughput
-    from jaxinfer.engine.engine import Engine
-    from jaxinfer.loading.presets import preset_config
-    from jaxinfer.models import Decoder
-
     c = preset_config(args.preset)
     # Shapes only: bench_throughput reads the parameters' sizes and dtypes, not their values.
     model = nnx.eval_shape(lambda: Decoder(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -63,7 +64,8 @@ def main():
                     max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                     decode_steps=args.decode_steps)
     llm = types.SimpleNamespace(config=c, engine=engine, model=model,
-                                runner=types.SimpleNamespace(mesh=types.SimpleNamespace(size=1)))
+                                runner=types.SimpleNamespace(mesh=types.SimpleNamespace(size=1),
+                                                           page_size=args.page_size))
     ceilings = Ceilings(args.copy_gbps * 1e9, args.matmul_tflops * 1e12)
     summary, rows = bench_throughput(llm, args.num_requests, args.input_len, args.output_len,
                                      ceilings)

@@ -1,0 +1,115 @@
+"""Ragged paged attention: its implementations in preference order, and the entry point.
+
+`ragged_paged_attention` (the contract's signature: `jaxinfer.ops.attention`, plus
+`implementation=`) describes the call (`AttentionCall`), asks `REGISTRY.pick` for the first
+implementation that supports it, runs the neighbouring work the implementation does not fuse
+(splitting a fused q | k | v projection, the q / k prologue), and calls it.
+
+  pallas_gpu   the Pallas kernel's GPU (Triton) lowering: Hopper, steps of up to
+               PALLAS_GPU_MAX_TOKENS tokens (batch-1 decode); reads the fused projection in
+               place and applies the prologue itself
+  mosaic_gpu   the Mosaic GPU kernel: Hopper, any step
+  pallas_tpu   the Pallas TPU kernel: TPU
+  reference    the pure-JAX spec: everything else (CPU, other GPUs, float32 models)
+
+The kernels' own `unsupported_reason` says what inputs a kernel can take (dtypes, head_dim,
+page_size); the predicates here add the platform and the size rules. `implementation="name"`
+forces one (tests, benchmarks); kernels then run in interpret mode off their hardware.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxinfer.mosaic import ragged_paged_attention as mosaic_gpu_kernel
+from jaxinfer.ops.attention import (
+    AttentionCall,
+    AttentionMetadata,
+    ragged_paged_attention_reference,
+    split_qkv,
+)
+from jaxinfer.ops.platform import needs
+from jaxinfer.ops.registry import Implementation, Registry
+from jaxinfer.ops.rope import QKPrologue
+from jaxinfer.pallas_kernels import ragged_paged_attention as pallas_tpu_kernel
+
+try:  # jax's Pallas Triton lowering, deprecated in jax 0.11: a jax without it skips the entry
+    from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu_kernel
+except ModuleNotFoundError as error:
+    if error.name != "jax.experimental.pallas.triton":
+        raise
+    pallas_gpu_kernel = None
+
+# Steps of up to this many tokens use the Pallas GPU kernel on Hopper (bench/NOTES.md,
+# ragged paged attention v4: measured at batch-1 decode). Its program per (token, KV
+# head, split) reaches its first K block sooner than the Mosaic kernel's CTAs, but reads
+# a sequence's pages once per token, so larger steps keep the Mosaic kernel.
+PALLAS_GPU_MAX_TOKENS = 1
+
+# The neighbouring work an implementation may fuse: reading q, k and v out of the fused
+# projection (`split_qkv`), and the two steps of the q / k prologue (`QKPrologue`).
+SPLIT_QKV, QK_NORM, ROPE = "split_qkv", "qk_norm", "rope"
+
+
+def _pallas_gpu_supports(call: AttentionCall) -> str | None:
+    if (reason := needs("hopper")) is not None:
+        return reason
+    if call.num_tokens > PALLAS_GPU_MAX_TOKENS:
+        return (f"{call.num_tokens} tokens: more than PALLAS_GPU_MAX_TOKENS "
+                f"({PALLAS_GPU_MAX_TOKENS}), where the Mosaic kernel is faster")
+    if pallas_gpu_kernel is None:
+        return "this jax has no Pallas Triton lowering"
+    return pallas_gpu_kernel.unsupported_reason(call.query, call.pages)
+
+
+def _mosaic_gpu_supports(call: AttentionCall) -> str | None:
+    return needs("hopper") or mosaic_gpu_kernel.unsupported_reason(call.query, call.pages)
+
+
+def _pallas_gpu(*args, **kwargs):
+    """`ragged_paged_attention_gpu`, or (a jax without the Triton lowering, where the entry
+    supports no call) a one-line error when it is forced."""
+    if pallas_gpu_kernel is None:
+        raise ValueError("pallas_gpu attention: this jax has no Pallas Triton lowering")
+    return pallas_gpu_kernel.ragged_paged_attention_gpu(*args, **kwargs)
+
+
+REGISTRY = Registry("ragged_paged_attention", [
+    Implementation("pallas_gpu", _pallas_gpu, _pallas_gpu_supports,
+                   fuses=(SPLIT_QKV, QK_NORM, ROPE)),
+    Implementation("mosaic_gpu", mosaic_gpu_kernel.ragged_paged_attention_mgpu,
+                   _mosaic_gpu_supports),
+    Implementation("pallas_tpu", pallas_tpu_kernel.ragged_paged_attention_tpu,
+                   lambda call: needs("tpu")),
+    Implementation("reference", ragged_paged_attention_reference, lambda call: None),
+])
+
+
+def ragged_paged_attention(
+    q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
+    sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+    sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
+    prologue: QKPrologue | None = None, implementation: str | None = None,
+):
+    """Writes k/v into the pages and attends (`jaxinfer.ops.attention` has the layouts):
+    -> (out [T, Hq, D] in q.dtype, k_pages, v_pages).
+
+    q [T, Hq, D] with k, v [T, Hkv, D], or q the fused projection [T, (Hq + 2 Hkv) * D] with
+    k = v = None. `prologue`: q and k are the raw projections, normed and rotated first.
+    `implementation` forces one of REGISTRY.names; None picks the first that supports the
+    call. Where the implementation does not fuse them, the fused projection is split and the
+    prologue applied here, with XLA.
+    """
+    call = AttentionCall.describe(q, k, k_pages, md, sliding_window=sliding_window,
+                                  soft_cap=soft_cap, sinks=sinks, prologue=prologue)
+    impl = REGISTRY.pick(call, implementation)
+    if k is None and SPLIT_QKV not in impl.fuses:
+        q, k, v = split_qkv(q, call.num_kv_heads, call.head_dim)
+    options = {}
+    if QK_NORM in impl.fuses and ROPE in impl.fuses:
+        options["prologue"] = prologue  # the implementation applies it where it can
+    elif prologue is not None:
+        q, k = prologue.apply(q, k)
+    return impl.fn(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale,
+                   sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
+                   k_scale=k_scale, v_scale=v_scale, **options)

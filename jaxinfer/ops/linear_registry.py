@@ -1,0 +1,118 @@
+"""The linear layer: its implementations in preference order, and the entry point.
+
+`linear` (the contract's signature: `jaxinfer.ops.linear`, plus `implementation=`)
+describes the call (`LinearCall`), asks `REGISTRY.pick` for the first implementation that
+supports it, and runs it. Every implementation ends with the contract's bias / row-scale
+epilogue (`linear_epilogue`).
+
+  mosaic_gpu      the Mosaic GPU quantized matmul: Hopper, int8 / int4 weight-only
+                  `QuantizedWeight`s, up to MAX_KERNEL_M rows (decode)
+  pallas_tpu      the Pallas TPU quantized matmul: TPU, `QuantizedWeight`s
+  one_row_reduce  XLA, float weights: one row (batch-1 decode) with K >= ONE_ROW_REDUCE_MIN_K
+                  as a multiply and a row reduction, on every platform
+  reference       XLA: one dot for float weights, dequantise + dot for quantized ones
+
+The kernels' own `unsupported_reason` says what inputs a kernel can take (formats, dtypes,
+tiling); the predicates here add the platform and the size rules. `implementation="name"`
+forces one (tests, benchmarks): kernels then run in interpret mode off their hardware, and
+raise ValueError for inputs they cannot take.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxinfer.mosaic import quantized_matmul as mosaic_gpu_kernel
+from jaxinfer.ops.linear import (
+    LinearCall,
+    Weight,
+    check_features,
+    linear_epilogue,
+    linear_reference,
+    one_row_product,
+    quantized_product,
+)
+from jaxinfer.ops.platform import needs
+from jaxinfer.ops.quant import QuantizedWeight
+from jaxinfer.ops.registry import Implementation, Registry
+from jaxinfer.pallas_kernels import quantized_matmul as pallas_tpu_kernel
+
+# Up to this many rows (tokens) the Mosaic kernel runs; above it the reference, whose dot
+# XLA fuses with the per-channel dequantisation (group-wise weights it dequantises into a
+# bf16 copy first). The kernel's token tile stops at 16 (`MAX_TILE_M`: wider tiles gave
+# wrong sums on the GPU at times), and XLA was faster there anyway from 64 tokens
+# (measured, bench/RESULTS.md). The kernel itself takes any M, in 16-token tiles.
+MAX_KERNEL_M = 16
+
+# One-row products over at least this many input features are a multiply-reduce
+# (`one_row_product`); below it XLA's dot was faster (SmolLM2's head, K = 576: 16.2 us
+# against 18.1). Why the reduction: XLA runs it with its reduction emitter in one pass over
+# W, 4.0-4.6 TB/s on an H200 for the Qwen3 / Llama-3 projections and heads of 16 MB or
+# more; as a dot, XLA's autotuner picks cuBLAS or a Triton GEMM anew at each compilation,
+# timing them with W in L2: from HBM up to 2.5x slower (bench/NOTES.md, linear v1).
+ONE_ROW_REDUCE_MIN_K = 1024
+
+
+def _quantized_reason(call: LinearCall) -> str | None:
+    return None if call.quantized else "float weights: XLA's dot"
+
+
+def _mosaic_gpu_supports(call: LinearCall) -> str | None:
+    if (reason := needs("hopper") or _quantized_reason(call)) is not None:
+        return reason
+    if call.rows > MAX_KERNEL_M:
+        return (f"{call.rows} rows: more than MAX_KERNEL_M ({MAX_KERNEL_M}), where XLA is "
+                "faster")
+    return mosaic_gpu_kernel.unsupported_reason(call.x, call.weight)
+
+
+def _pallas_tpu_supports(call: LinearCall) -> str | None:
+    return (needs("tpu") or _quantized_reason(call)
+            or pallas_tpu_kernel.unsupported_reason(call.x, call.weight))
+
+
+def _one_row_reduce_supports(call: LinearCall) -> str | None:
+    if call.quantized:
+        return "quantized weights: their kernels or the reference"
+    if call.rows != 1:
+        return f"{call.rows} rows: the reduction is for one"
+    k = call.x.shape[1]
+    if k < ONE_ROW_REDUCE_MIN_K:
+        return (f"K={k}: less than ONE_ROW_REDUCE_MIN_K ({ONE_ROW_REDUCE_MIN_K}), where "
+                "XLA's dot is faster")
+    return None
+
+
+def _kernel(name: str, matmul):
+    """A quantized kernel matmul(x [M, K], w) -> [M, N] as a linear implementation."""
+    def run(x, weight: Weight, bias=None, row_scale=None):
+        if not isinstance(weight, QuantizedWeight):
+            raise ValueError(f"linear {name}: takes a QuantizedWeight, got a float weight")
+        return linear_epilogue(quantized_product(matmul, x, weight), x.dtype, bias, row_scale)
+    return run
+
+
+def _one_row_reduce(x, weight: Weight, bias=None, row_scale=None):
+    if isinstance(weight, QuantizedWeight):
+        raise ValueError("linear one_row_reduce: takes float weights, got a QuantizedWeight")
+    return linear_epilogue(one_row_product(x, weight), x.dtype, bias, row_scale)
+
+
+REGISTRY = Registry("linear", [
+    Implementation("mosaic_gpu", _kernel("mosaic_gpu", mosaic_gpu_kernel.quantized_matmul_mgpu),
+                   _mosaic_gpu_supports),
+    Implementation("pallas_tpu", _kernel("pallas_tpu", pallas_tpu_kernel.quantized_matmul_tpu),
+                   _pallas_tpu_supports),
+    Implementation("one_row_reduce", _one_row_reduce, _one_row_reduce_supports),
+    Implementation("reference", linear_reference, lambda call: None),
+])
+
+
+def linear(x: jax.Array, weight: Weight, bias: jax.Array | None = None,
+           row_scale: jax.Array | None = None, *, implementation: str | None = None) -> jax.Array:
+    """x [..., K] @ weight [N, K]^T (* row_scale [..., 1]) (+ bias [N]) -> [..., N] in x.dtype
+    (`jaxinfer.ops.linear` has the contract). `implementation` forces one of
+    REGISTRY.names; None picks the first that supports the call."""
+    check_features(x, weight)
+    impl = REGISTRY.pick(LinearCall.describe(x, weight), implementation)
+    return impl.fn(x, weight, bias, row_scale)
