@@ -133,7 +133,8 @@ def step_compiler_options(mesh: Mesh) -> dict[str, str | bool]:
     """XLA options for a step sharded over several GPUs of one host. Opt-in experiment
     (JAXINFER_ONE_SHOT_ALL_REDUCE=1): XLA's one-shot all-reduce kernel (it reads the peers'
     buffers over NVLink, peer-to-peer, no NVLink multicast) instead of NCCL for small
-    all-reduces; it measured no faster than NCCL for Llama-8B tp=2 decode (bench/NOTES.md)."""
+    all-reduces; it measured no faster than NCCL for Llama-8B tp=2 decode (bench/NOTES.md,
+    Sharding: XLA's one-shot all-reduce kernel)."""
     import os
 
     if (mesh.size == 1 or mesh.devices.flat[0].platform != "gpu"

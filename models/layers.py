@@ -165,7 +165,8 @@ def join_linears(parts: list[Linear]) -> Linear | None:
     takes them apart without communication); on one device that is [a | b | c].
 
     Why: fewer, larger GEMMs. Llama-8B batch-1 decode on an H200: gate_up as one GEMM took
-    58.8 us where gate and up took 75 (bench/RESULTS.md, third session).
+    58.8 us where gate and up took 75 (bench/NOTES.md, Serving engine decode loop: Fused q/k/v
+    and gate/up projections).
     """
     def tensors(layer: Linear):
         w = layer.quantized_weight() if layer.quantized else None
@@ -298,7 +299,8 @@ class FoldedRMSNorm(RMSNorm):
     Why: at batch 1 the normalised activations cost a kernel of their own before each
     projection (a reduce, then a multiply); with the scale in the weight, XLA fuses the
     multiply by 1 / rms into the kernels that already read the projection's output
-    (split-K sums, RoPE, SiLU) (bench/NOTES.md, serving engine v4).
+    (split-K sums, RoPE, SiLU) (bench/NOTES.md, Serving engine decode loop: Norm scales folded
+    into the projections).
     """
 
     @classmethod

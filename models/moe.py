@@ -80,7 +80,8 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool,
     The top k come from `top_k_experts` (at decode sizes from ranks, not a sort). The
     softmax over the k is elementwise (its sum written out as k - 1 adds): XLA runs it in
     one small kernel with the padding mask that follows (1.2 us at one token, where the
-    softmax's reduction took 1.6 alone; bench/NOTES.md, MoE end to end v4).
+    softmax's reduction took 1.6 alone; bench/NOTES.md, MoE end to end: Norm folded into the
+    router; softmax over the k as elementwise ops).
     """
     top_logits, experts = top_k_experts(logits, k)
     scale = 1.0 if logit_scale is None else logit_scale

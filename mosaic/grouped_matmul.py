@@ -129,7 +129,7 @@ class Config:
     # The two consumers split each step's K pieces instead of the N block: both own the
     # same 64 weight rows, and the second hands its partial sums to the first through
     # shared memory (quantized decode: two consumers share the upcasts; 1-9% faster,
-    # bench/NOTES.md grouped matmul v10 (c)).
+    # bench/NOTES.md, Grouped matmul (Mosaic GPU): Quantized: two consumers split K at decode).
     split_k: bool = False
 
     @property
@@ -264,7 +264,8 @@ def row_items(m: int, e: int, cfg: Config) -> bool:
     (one token's k experts are distinct), so every CTA gets about the same share. With
     many rows per expert (Mixtral: E = 8, 16 rows at 8 tokens) most items are skipped and
     the shares went uneven: Mixtral's down projection at 8 and 64 tokens ran 25-36% slower
-    than with the item table (H200; bench/NOTES.md).
+    than with the item table (H200; bench/NOTES.md, Grouped matmul (Mosaic GPU): Per-row table
+    for every step of M <= 128).
     """
     return m <= min(cfg.max_rows, e)
 

@@ -67,7 +67,8 @@ class Config:
 
 # Token tiles wider than 16 give wrong sums on the GPU at times (tile_m 32 failed one GPU
 # run of three, 64 every time; interpret mode is exact): an unexplained race, so tiles
-# stop at 16 (see bench/NOTES.md). The kernel still takes any M, in 16-token tiles.
+# stop at 16 (bench/NOTES.md, Linear and quantized matmul: Token tiles of 32 or 64). The
+# kernel still takes any M, in 16-token tiles.
 MAX_TILE_M = 16
 
 

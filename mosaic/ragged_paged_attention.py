@@ -25,7 +25,7 @@ Algorithm (flash attention over pages):
   (page_size x D, 128-byte swizzled) into a `num_stages`-deep ring that runs on
   across the CTA's items, so the next item's first blocks load while the
   current one finishes (with one CTA per item, each SM's ring drained at every
-  item's end; bench/NOTES.md has what this measured).
+  item's end; bench/NOTES.md, Ragged paged attention: Persistent grid).
 - Consumers: S = Q K^T (wgmma, f32), scale, optional soft cap, causal /
   kv_len / sliding-window mask on the edge blocks only, online softmax in base 2,
   O += P V (wgmma). Masked scores are a large finite negative, not -inf, so a

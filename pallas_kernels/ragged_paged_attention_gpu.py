@@ -409,7 +409,8 @@ def attend_pages_gpu(
     if splits == 1:
         return results[0], k_pages, v_pages
     # The splits merged by a second kernel, a program per query head (as XLA ops the
-    # merge took two kernels: bench/NOTES.md, ragged paged attention v4).
+    # merge took two kernels: bench/NOTES.md, Ragged paged attention: Split merge as a second
+    # Pallas kernel).
     out = pl.pallas_call(
         functools.partial(_merge_splits_kernel, group=G, num_splits=splits),
         out_shape=jax.ShapeDtypeStruct((T, Hq, D), q.dtype), grid=(T, Hkv, G),

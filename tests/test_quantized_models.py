@@ -185,9 +185,10 @@ BF16_MAX_PERPLEXITY = 40.0
 @pytest.mark.slow
 def test_smollm2_quantized_logits_and_perplexity(smollm2_gguf, tmp_path, monkeypatch):
     # The loader folds RMSNorm scales into float projections only (bf16 here, not the
-    # quantized ones): a different, equally accurate bf16 rounding (bench/NOTES.md, serving
-    # engine v4) that would hide the GGUF's exact match. Unfolded, every variant computes
-    # the same arithmetic but for its weights.
+    # quantized ones): a different, equally accurate bf16 rounding (bench/NOTES.md, Serving
+    # engine decode loop: Norm scales folded into the projections) that would hide the
+    # GGUF's exact match. Unfolded, every variant computes the same arithmetic but for its
+    # weights.
     monkeypatch.setattr(inference_form, "foldable", lambda layers: False)
     variants = {"bf16": "none", "int8": "int8", "int4:g64": "int4:g64", "gguf": None}
     results, ids = {}, None

@@ -201,7 +201,8 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
         # One token (batch-1 decode): a dynamic_update_slice, which XLA runs in place with
         # the row computed inside it; a padding token writes the scratch page. (A one-row
         # scatter that must drop an out-of-range row became a kernel that read the old row
-        # for a select, then the write: bench/NOTES.md, MoE end to end v5.)
+        # for a select, then the write: bench/NOTES.md, MoE end to end: One-token KV write as a
+        # dynamic_update_slice.)
         page = jnp.where(valid, page, k_pages.shape[0] - 1)[0]
         k_pages = jax.lax.dynamic_update_slice(k_pages, k_new[None], (page, slot[0], 0, 0))
         v_pages = jax.lax.dynamic_update_slice(v_pages, v_new[None], (page, slot[0], 0, 0))

@@ -41,9 +41,10 @@ except ModuleNotFoundError as error:
     pallas_gpu_kernel = None
 
 # Steps of up to this many tokens use the Pallas GPU kernel on Hopper (bench/NOTES.md,
-# ragged paged attention v4: measured at batch-1 decode). Its program per (token, KV
-# head, split) reaches its first K block sooner than the Mosaic kernel's CTAs, but reads
-# a sequence's pages once per token, so larger steps keep the Mosaic kernel.
+# Ragged paged attention: Pallas GPU kernel for one-token steps; measured at batch-1
+# decode). Its program per (token, KV head, split) reaches its first K block sooner than
+# the Mosaic kernel's CTAs, but reads a sequence's pages once per token, so larger steps
+# keep the Mosaic kernel.
 PALLAS_GPU_MAX_TOKENS = 1
 
 # The neighbouring work an implementation may fuse: reading q, k and v out of the fused

@@ -66,7 +66,8 @@ def top_k_by_ranks(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Each expert's rank (how many experts come before it) as one compare-sum over
     [T, E, E], then the k first by rank as one more. For few tokens (decode): XLA's top-k
     sorts each row, a kernel of ~3.5 us at one token, and these two take about 1 us each
-    (bench/NOTES.md, MoE end to end v4)."""
+    (bench/NOTES.md, MoE end to end: Norm folded into the router; softmax over the k as
+    elementwise ops)."""
     E = logits.shape[1]
     other, this = logits[:, None, :], logits[:, :, None]  # [T, e, e']
     ids = jnp.arange(E)
@@ -203,7 +204,8 @@ def align_groups(local: jax.Array, num_local: int, group_sizes: jax.Array):
 
     Why: the Mosaic grouped matmul then stores its output tiles in whole 8-row tiles
     through a swizzled shared buffer (`groups_aligned`): Qwen3-30B-A3B's down projection at
-    4096 tokens went from 237 to 203 us (H200, bench/NOTES.md, grouped matmul v9). The
+    4096 tokens went from 237 to 203 us (H200, bench/NOTES.md, Grouped matmul (Mosaic GPU): Whole
+    8-row output tiles at prefill). The
     layout costs at most GROUP_ALIGN - 1 rows a group (2.7% there) and no extra kernel:
     the row gathers only take other indices.
 

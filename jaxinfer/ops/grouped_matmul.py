@@ -18,7 +18,8 @@
                           so every group starts on an 8-row boundary (the MoE layer's
                           prefill layout, `jaxinfer.ops.expert_routing`): the Mosaic kernel then
                           stores whole 8-row tiles through a swizzled buffer (~15% faster
-                          at 4096 tokens; bench/NOTES.md, grouped matmul v9); others ignore it
+                          at 4096 tokens; bench/NOTES.md, Grouped matmul (Mosaic GPU):
+                          Whole 8-row output tiles at prefill); others ignore it
   swiglu       bool       w holds each expert's gate rows, then its up rows (N = 2 N'):
                           y = silu(x W_gate^T) * (x W_up^T) [M, N'], from the float32
                           products (the Mosaic kernel does it in its epilogue at decode
@@ -94,8 +95,9 @@ def grouped_matmul_rows(x: jax.Array, w: ExpertWeights, group: jax.Array, *,
     XLA runs it as one reduction kernel that gathers each row's weights (and x's rows)
     itself, like `linear`'s one-row form; every row reads its group's whole matrix, so it
     suits a few rows of distinct groups: one decode token's k experts (bench/NOTES.md,
-    grouped matmul v8). Quantized rows are dequantised inside that kernel, as the
-    reference does (to x's dtype), so they are read in their stored width: any format."""
+    Grouped matmul (Mosaic GPU): One decode token's rows as XLA reductions). Quantized rows
+    are dequantised inside that kernel, as the reference does (to x's dtype), so they are
+    read in their stored width: any format."""
     e = w.shape[0]
     idx = jnp.minimum(group, e - 1)
     if isinstance(w, QuantizedWeight):

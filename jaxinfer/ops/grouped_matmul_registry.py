@@ -43,7 +43,7 @@ from jaxinfer.pallas_kernels import grouped_matmul as pallas_tpu_kernel
 # Up to this many unsorted rows (one decode token's k rows) of float weights, Hopper
 # computes each row against its own group's weights as a gather, a multiply and a row
 # reduction (`grouped_matmul_rows`), faster there than the Mosaic kernel (bench/NOTES.md,
-# grouped matmul v8).
+# Grouped matmul (Mosaic GPU): One decode token's rows as XLA reductions).
 ROW_REDUCE_MAX_M = 8
 # Quantized weights the Mosaic kernel does not upcast itself (`upcasts_in_registers`) reduce
 # by row on Hopper up to this many rows, and no more than the experts, sorted or not, when

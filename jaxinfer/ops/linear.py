@@ -23,8 +23,8 @@ implementation ends with.
 Rounding: a float product is rounded to x.dtype before the row scale (as a quantized
 product always is), because XLA does not fuse the scale into the GEMM: a float32 product
 would be written and read back in full (at 64 tokens the gate/up product alone is 7.3 MB
-per layer; bench/NOTES.md, serving engine v5). The one-row product is a reduction whose
-float32 result is scaled unrounded.
+per layer; bench/NOTES.md, Serving engine decode loop: Folded projection's product in
+bf16). The one-row product is a reduction whose float32 result is scaled unrounded.
 """
 
 from __future__ import annotations

@@ -41,15 +41,17 @@ from jaxinfer.pallas_kernels import quantized_matmul as pallas_tpu_kernel
 # XLA fuses with the per-channel dequantisation (group-wise weights it dequantises into a
 # bf16 copy first). The kernel's token tile stops at 16 (`MAX_TILE_M`: wider tiles gave
 # wrong sums on the GPU at times), and XLA was faster there anyway from 64 tokens
-# (measured, bench/RESULTS.md). The kernel itself takes any M, in 16-token tiles.
+# (bench/NOTES.md, Linear and quantized matmul: Token tiles of 32 or 64). The kernel
+# itself takes any M, in 16-token tiles.
 MAX_KERNEL_M = 16
 
 # One-row products over at least this many input features are a multiply-reduce
-# (`one_row_product`); below it XLA's dot was faster (SmolLM2's head, K = 576: 16.2 us
+# (`one_row_product`); below it XLA's dot was faster (SmolLM2's head, K = 576: 16.5 us
 # against 18.1). Why the reduction: XLA runs it with its reduction emitter in one pass over
 # W, 4.0-4.6 TB/s on an H200 for the Qwen3 / Llama-3 projections and heads of 16 MB or
 # more; as a dot, XLA's autotuner picks cuBLAS or a Triton GEMM anew at each compilation,
-# timing them with W in L2: from HBM up to 2.5x slower (bench/NOTES.md, linear v1).
+# timing them with W in L2: from HBM up to 2.5x slower (bench/NOTES.md, Linear and quantized
+# matmul: One-row products as multiply-reduce).
 ONE_ROW_REDUCE_MIN_K = 1024
 
 

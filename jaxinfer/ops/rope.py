@@ -79,7 +79,8 @@ def apply_rope(x, cos, sin):
     convention: halves, not pairs), in x's dtype."""
     # rotate_half(x) = [-x2, x1], as a reverse of the two halves rather than a concatenate:
     # XLA fuses the reverse into its consumers, where the concatenate ran as a kernel of its
-    # own per layer at batch 1 (bench/NOTES.md, serving engine v4).
+    # own per layer at batch 1 (bench/NOTES.md, Serving engine decode loop: rotate_half as a
+    # reverse of the two halves).
     halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
     sign = jnp.array([-1, 1], x.dtype)[:, None]
     rotated = (halves[..., ::-1, :] * sign).reshape(x.shape)
@@ -113,7 +114,8 @@ class QKPrologue:
     `ragged_paged_attention` applies it with XLA before an implementation (`apply`), except
     where the implementation fuses it (its registry entry's `fuses`): the Pallas GPU kernel at
     one token (batch-1 decode), where XLA's three small kernels a layer for it (the sums of
-    squares, q's and k's norm + RoPE) took ~4 us (bench/NOTES.md, ragged paged attention v6).
+    squares, q's and k's norm + RoPE) took ~4 us (bench/NOTES.md, Ragged paged attention:
+    q/k prologue in the kernel).
     """
 
     cos: jax.Array
