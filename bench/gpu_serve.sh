@@ -2,8 +2,8 @@
 # The serving engine on the device: host overhead (CUPTI), batch-1 latency, the batch-64
 # decode phase, 64-request throughput, then the HTTP load generator against `jaxinfer
 # serve` (the default parts). Other parts: overhead64, timeline (where the GPU idles), nocb
-# and graphs (XLA command buffers / CUDA graphs off and on), ab (this wheel against an older
-# one, in turn).
+# and graphs (XLA command buffers / CUDA graphs off and on). Two builds in turn:
+# bench/gpu_ab.sh.
 #   device run: bash bench/gpu_serve.sh [part...]   (carry: .whl = the jaxinfer wheel plus the
 #   fastapi / starlette / pydantic / uvicorn wheels, see bench/RESULTS.md)
 source "$(dirname "$0")/device_env.sh"  # wheels -> /tmp/site, $OUT, $REPO, cd /tmp
@@ -50,20 +50,6 @@ for part in $parts; do
     XLA_FLAGS=$nocb timeout -k 5 200 python3 "$REPO/bench/gpu_idle_gaps.py" \
       --preset llama3-8b --decode-steps 8 --batch 1 --json "$OUT/timeline_nocb.json" 2>&1 \
       | grep -v "^WARNING\|^W0000\|^I0000" | tail -18 ;;
-  ab)  # batch-1 latency (and batch-64 decode) of this wheel against .whl/old/ (a previous
-    # commit's wheel), in turn; then this wheel at 16 and 32 decode steps per round trip
-    rm -rf /tmp/site_old; python3 -m pip install -q --no-index --no-deps --no-compile \
-      --target /tmp/site_old $REPO/.whl/old/jaxinfer-*.whl
-    lat() { $J bench latency --preset llama3-8b --batch 1 --input-len 512 --output-len 128 \
-      --kv-cache-gb 8 --decode-steps ${1:-8} 2>&1 | grep per-token; }
-    for round in 1 2; do
-      echo "new: $(lat)"; echo "old: $(PYTHONPATH=/tmp/site_old lat)"
-    done
-    echo "new, 16 steps: $(lat 16)"; echo "new, 32 steps: $(lat 32)"
-    for site in /tmp/site /tmp/site_old; do
-      echo "$site b64: $(PYTHONPATH=$site python3 $REPO/bench/host_overhead.py --preset llama3-8b \
-        --batch 64 --ctx 1152 --decode-steps 8 2>&1 | grep ms/token)"
-    done ;;
   latency)
     $J bench latency --preset llama3-8b --batch 1 --input-len 512 --output-len 128 \
       --kv-cache-gb 8 --decode-steps $N --record $OUT/RESULTS.md --json $OUT/latency_b1.json \

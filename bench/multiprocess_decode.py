@@ -17,6 +17,14 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine import multihost
+from jaxinfer.loading.presets import preset_config, random_model
+from jaxinfer.sharding import MeshSpec
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -30,18 +38,8 @@ def main():
     ap.add_argument("--num-processes", type=int, default=None)
     ap.add_argument("--process-id", type=int, default=None)
     args = ap.parse_args()
-    # jax.distributed must start before anything queries the devices: jax and the rest of
-    # jaxinfer are imported once it has.
-    from jaxinfer.engine import multihost
-
+    # jax.distributed must start before anything queries the devices (importing does not).
     multihost.initialize(args.coordinator, args.num_processes, args.process_id)
-    import jax
-    import jax.numpy as jnp
-
-    from jaxinfer import LLM, SamplingParams
-    from jaxinfer.loading.presets import preset_config, random_model
-    from jaxinfer.sharding import MeshSpec
-
     config = preset_config(args.preset)
     mesh = MeshSpec.parse(args.mesh).meshes()[0]
     max_len = args.input_len + args.output_len + 64

@@ -44,10 +44,10 @@ def main():
         return [rng.integers(2, config.vocab_size, n).tolist() for n in lens]
 
     llm.generate(prompts(), params)  # compile
-    steps0, t = llm.engine.num_steps, time.perf_counter()
+    steps0, t = llm.engine.stats().num_steps, time.perf_counter()
     llm.generate(prompts(), params)
     wall = time.perf_counter() - t
-    print(f"wall {wall:.2f} s, {llm.engine.num_steps - steps0} engine steps")
+    print(f"wall {wall:.2f} s, {llm.engine.stats().num_steps - steps0} engine steps")
     with recorded_kernels() as kernels:
         t = time.perf_counter()
         llm.generate(prompts(), params)

@@ -47,6 +47,11 @@ def enable_compilation_cache():
 class LLM:
     """Loads a model (converted dir, HF dir or .gguf; None = the embedded SmolLM2) and generates.
 
+    A `Decoder` is run as it is given: one from `load_model` or `presets.random_model` is in
+    its inference form (`models.inference_form`: norm scales folded into the float
+    projections); one constructed directly keeps plain norms (the same function, HF's
+    rounding).
+
     kv_cache_bytes sizes the paged KV cache; max_model_len defaults to the
     model's context, capped by what the cache holds; decode_steps > 1 runs that many
     decode steps per host round trip when every running request is decoding.

@@ -28,7 +28,7 @@ from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata
 from jaxinfer.ops.attention_registry import ragged_paged_attention
 from jaxinfer.ops.linear_registry import linear
 from jaxinfer.ops.quant import QuantizedWeight
-from jaxinfer.ops.rope import QKPrologue
+from jaxinfer.ops.rope import QKPrologue, inverse_rms, scale_normed
 from jaxinfer.sharding import (
     P,
     current_mesh,
@@ -266,7 +266,8 @@ class ProjectionGroup(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """HF's order of operations: normalise in f32, cast back, then scale [dim]."""
+    """HF's order of operations: normalise in f32, cast back, then scale [dim] (the math of
+    `jaxinfer.ops.rope`, which the q/k norms share)."""
 
     def __init__(self, dim, *, eps, dtype, axes: P | None = None):
         self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=axes or P("embed"))
@@ -274,15 +275,14 @@ class RMSNorm(nnx.Module):
 
     def inv_rms(self, x):
         """x [..., dim] -> 1 / rms(x) [..., 1] float32."""
-        x32 = x.astype(jnp.float32)
-        return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return inverse_rms(x.astype(jnp.float32), self.eps)
 
     def __call__(self, x):
         return self.scaled(x, self.inv_rms(x))
 
     def scaled(self, x, inv_rms):
         """The norm of x given its `inv_rms(x)` (computed elsewhere, e.g. with other rows)."""
-        return self.scale[...] * (x.astype(jnp.float32) * inv_rms).astype(x.dtype)
+        return scale_normed(x.astype(jnp.float32), inv_rms, self.scale[...], x.dtype)
 
     def projection_input(self, x):
         """(the input of the projections this norm feeds, their row_scale): (norm(x), None)."""

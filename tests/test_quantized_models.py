@@ -17,10 +17,11 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli.main import cli
 from jaxinfer.loading.checkpoint import convert
 from jaxinfer.loading.gguf_source import GGUFSource, decode_blocks
+from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.models import inference_form
 from jaxinfer.models.inference_form import checkpoint_params
 from jaxinfer.models.layers import RMSNorm, is_quantizable
-from jaxinfer.ops.quant import VALUE_DTYPES, QuantizedWeight, dequantize
+from jaxinfer.ops.quant import VALUE_DTYPES, QuantizedWeight, dequantize, error_bound
 
 from .conftest import VOCAB, make_hf_model
 from .test_bad_input import _fails_cleanly
@@ -297,9 +298,6 @@ def test_preset_quantized_projections_round_their_float_weights(monkeypatch):
     bound; every other parameter is the float preset's own. (Compared as checkpoint
     tensors, with the norm scales left unfolded in both.)"""
     import jax.numpy as jnp
-
-    from jaxinfer.loading.presets import preset_config, random_model
-    from jaxinfer.ops.quant import error_bound
 
     monkeypatch.setattr(inference_form, "foldable", lambda layers: False)
     config = preset_config("tiny-moe")

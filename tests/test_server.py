@@ -26,8 +26,11 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxinfer import LLM
+from jaxinfer.cli.main import cli
 from jaxinfer.engine.engine import EngineInterface, EngineStats
 from jaxinfer.engine.request import RequestDelta
+from jaxinfer.serving.server import create_app
 
 from .conftest import VOCAB
 
@@ -263,7 +266,6 @@ def test_logprobs(server, qwen3_converted):
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     # Oracle: the model's own float64 log-softmax (same checkpoint, in this process); the API
     # keys top_logprobs by token text, the likeliest id keeping a text shared by several.
-    from jaxinfer import LLM
 
     llm = LLM(qwen3_converted, kv_cache_bytes=1 << 22)
     prompt_ids = resp.choices[0].model_extra["prompt_token_ids"]
@@ -606,8 +608,6 @@ def test_engine_failure_is_a_500_and_the_server_goes_on():
 
     from fastapi.testclient import TestClient
 
-    from jaxinfer.serving.server import create_app
-
     llm = SimpleNamespace(engine=_FakeEngine(), tokenizer=None, max_model_len=64)
     with TestClient(create_app(llm, "fake")) as http:
         ok = http.post("/v1/completions", json={"prompt": [3], "max_tokens": 3,
@@ -636,8 +636,6 @@ def test_engine_failure_is_a_500_and_the_server_goes_on():
 
 def test_serve_cli_errors(qwen3_converted):
     import socket
-
-    from jaxinfer.cli.main import cli
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

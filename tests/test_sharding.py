@@ -22,8 +22,13 @@ from jaxinfer.cli.main import cli
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.engine import ReplicatedEngine
 from jaxinfer.errors import JaxinferError
-from jaxinfer.loading.checkpoint import convert
-from jaxinfer.loading.presets import preset_config
+from jaxinfer.loading.checkpoint import convert, load_model, model_placer, shard_model
+from jaxinfer.loading.presets import preset_config, random_model
+from jaxinfer.models import inference_form, layers
+from jaxinfer.models.inference_form import checkpoint_layout, inference_model
+from jaxinfer.models.layers import FoldedRMSNorm, RMSNorm
+from jaxinfer.models.moe import FoldedRouter, Router
+from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.sharding import MeshSpec
 
 from .conftest import VOCAB
@@ -189,8 +194,6 @@ def test_gpu_sharded_kernels_match_one_device(mesh):
     the split model's logits match one device's to bf16 rounding."""
     import jax.numpy as jnp
 
-    from jaxinfer.loading.presets import random_model
-
     if jax.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
@@ -280,8 +283,6 @@ def _logits(model, mesh, tokens: list[int]) -> np.ndarray:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxinfer.ops.attention import AttentionMetadata
-
     c, T, page = model.config, len(tokens), 8
     pages = -(-T // page)
     md = AttentionMetadata(cu_q_lens=jnp.array([0, T]), kv_lens=jnp.array([T]),
@@ -307,11 +308,6 @@ def test_inference_form_computes_the_checkpoint_projections(monkeypatch, preset,
     attention) behind plain norms, on every mesh (tp=4 > 2 KV heads: the repeated k/v rows
     join too). The norm scales are drawn from [0.5, 2] (a checkpoint's start as ones), so a
     scale folded into the wrong axis, or not applied, fails."""
-    from jaxinfer.loading.checkpoint import model_placer
-    from jaxinfer.models import inference_form, layers
-    from jaxinfer.models.inference_form import checkpoint_layout, inference_model
-    from jaxinfer.models.layers import FoldedRMSNorm, RMSNorm
-    from jaxinfer.models.moe import FoldedRouter, Router
 
     config = preset_config(preset)
     jax_mesh = MeshSpec.parse(mesh).meshes()[0]
@@ -353,10 +349,6 @@ def test_loaded_model_is_in_inference_form_and_moves_exactly(hf_models):
     parameter equals the tp=4 load's, and a replica on other devices of the same tp gives
     bit-identical logits."""
     from flax import nnx
-
-    from jaxinfer.loading.checkpoint import load_model, shard_model
-    from jaxinfer.models.layers import FoldedRMSNorm, RMSNorm
-    from jaxinfer.models.moe import FoldedRouter
 
     path = hf_models["qwen2_moe"]  # layer 0: MoE with a shared expert; layer 1: dense
     one = load_model(path, dtype="float32")

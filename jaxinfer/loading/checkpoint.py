@@ -285,7 +285,8 @@ def model_placer(config: ModelConfig, mesh: jax.sharding.Mesh, where="the model"
 
 
 def shard_model(model: Decoder, mesh: jax.sharding.Mesh) -> Decoder:
-    """The same model with its parameters placed on `mesh` (a copy; `model` is unchanged):
+    """The same model with its parameters placed on `mesh` (a new model; `model` is unchanged,
+    and arrays already placed so are shared, not copied):
     one laid out for one device on any mesh, any on a mesh of its own tp (dp replicas).
 
     A mesh of the model's tp takes each parameter as it is, placed by its logical axes. A

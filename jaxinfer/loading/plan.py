@@ -333,7 +333,6 @@ def _native_formats(source) -> dict:
     """key -> QuantFormat of the tensors a source loads quantized (names only; no data read)."""
     import re
 
-
     out = {}
     if isinstance(source, GGUFSource):
         formats = {"Q4_0": "int4:g32", "Q4_1": "int4:g32:asym", "Q8_0": "int8:g32"}

@@ -63,6 +63,15 @@ def _pallas_gpu_supports(call: AttentionCall) -> str | None:
     return pallas_gpu_kernel.unsupported_reason(call.query, call.pages)
 
 
+def _pallas_gpu_fuses(call: AttentionCall) -> tuple[str, ...]:
+    """The kernel reads a fused projection in place and applies the prologue itself where
+    it can (one token, pages in q's dtype: `fuses_prologue`); elsewhere XLA does both."""
+    if pallas_gpu_kernel is not None and pallas_gpu_kernel.fuses_prologue(call.query,
+                                                                          call.pages):
+        return (SPLIT_QKV, QK_NORM, ROPE)
+    return ()
+
+
 def _mosaic_gpu_supports(call: AttentionCall) -> str | None:
     return needs("hopper") or mosaic_gpu_kernel.unsupported_reason(call.query, call.pages)
 
@@ -77,7 +86,7 @@ def _pallas_gpu(*args, **kwargs):
 
 REGISTRY = Registry("ragged_paged_attention", [
     Implementation("pallas_gpu", _pallas_gpu, _pallas_gpu_supports,
-                   fuses=(SPLIT_QKV, QK_NORM, ROPE)),
+                   fuses=_pallas_gpu_fuses),
     Implementation("mosaic_gpu", mosaic_gpu_kernel.ragged_paged_attention_mgpu,
                    _mosaic_gpu_supports),
     Implementation("pallas_tpu", pallas_tpu_kernel.ragged_paged_attention_tpu,
@@ -104,11 +113,12 @@ def ragged_paged_attention(
     call = AttentionCall.describe(q, k, k_pages, md, sliding_window=sliding_window,
                                   soft_cap=soft_cap, sinks=sinks, prologue=prologue)
     impl = REGISTRY.pick(call, implementation)
-    if k is None and SPLIT_QKV not in impl.fuses:
+    fused = impl.fused(call)
+    if k is None and SPLIT_QKV not in fused:
         q, k, v = split_qkv(q, call.num_kv_heads, call.head_dim)
     options = {}
-    if QK_NORM in impl.fuses and ROPE in impl.fuses:
-        options["prologue"] = prologue  # the implementation applies it where it can
+    if QK_NORM in fused and ROPE in fused:
+        options["prologue"] = prologue  # the implementation applies it
     elif prologue is not None:
         q, k = prologue.apply(q, k)
     return impl.fn(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale,

@@ -28,13 +28,18 @@ class Implementation:
     fn        the function, with the op's signature (see its registry module)
     supports  call -> None if it takes the call, else why not (one line)
     fuses     neighbouring work it does itself (e.g. ("qk_norm", "rope") for the attention
-              kernel that applies the q/k prologue), which callers then need not run
+              kernel that applies the q/k prologue), which callers then need not run: a
+              tuple, or call -> tuple where that depends on the call
     """
 
     name: str
     fn: Callable
     supports: Callable[[Any], str | None]
-    fuses: tuple[str, ...] = ()
+    fuses: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
+
+    def fused(self, call) -> tuple[str, ...]:
+        """The neighbouring work this implementation does itself for `call`."""
+        return self.fuses(call) if callable(self.fuses) else self.fuses
 
 
 class Registry:
