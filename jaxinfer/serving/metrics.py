@@ -9,7 +9,6 @@ by the engine thread as it hands out each delta.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -17,28 +16,11 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxinfer.engine.engine import EngineStats
+
 PREFIX = "jaxinfer_"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                     0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSnapshot:
-    waiting: int = 0
-    running: int = 0
-    pages_total: int = 0
-    pages_free: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    preemptions: int = 0
-    computed_tokens: int = 0
-
-    @classmethod
-    def of(cls, engine) -> EngineSnapshot:
-        s = engine.stats()
-        return cls(s.num_waiting, s.num_running, s.num_pages, s.num_free_pages,
-                   s.prefix_query_tokens, s.prefix_hit_tokens, s.num_preemptions,
-                   s.num_computed_tokens)
 
 
 class _RateWindow:
@@ -72,7 +54,7 @@ class Metrics:
         (`jaxinfer bench serve` reads them for its roofline)."""
         self.model_info = model_info or {}
         self.registry = CollectorRegistry()
-        self.snapshot = EngineSnapshot()  # replaced whole by the engine thread
+        self.snapshot = EngineStats()  # replaced whole by the engine thread
         self._throughput = _RateWindow()
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
@@ -118,7 +100,7 @@ class Metrics:
 
 
 class _EngineCollector:
-    """Exposes the latest EngineSnapshot (and the throughput window) at scrape time."""
+    """Exposes the latest `EngineStats` (and the throughput window) at scrape time."""
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
@@ -135,13 +117,13 @@ class _EngineCollector:
         def counter(name, doc, value):
             return CounterMetricFamily(PREFIX + name, doc, value=value)
 
-        yield gauge("num_requests_waiting", "Requests queued for admission.", s.waiting)
-        yield gauge("num_requests_running", "Requests admitted to the batch.", s.running)
-        yield gauge("kv_pages_total", "Pages in the KV cache.", s.pages_total)
+        yield gauge("num_requests_waiting", "Requests queued for admission.", s.num_waiting)
+        yield gauge("num_requests_running", "Requests admitted to the batch.", s.num_running)
+        yield gauge("kv_pages_total", "Pages in the KV cache.", s.num_pages)
         yield gauge("kv_pages_in_use", "KV pages held by requests (cached but unreferenced "
-                    "pages count as free).", s.pages_total - s.pages_free)
+                    "pages count as free).", s.num_pages - s.num_free_pages)
         yield gauge("kv_cache_usage_ratio", "Fraction of KV pages in use.",
-                    (s.pages_total - s.pages_free) / s.pages_total if s.pages_total else 0.0)
+                    (s.num_pages - s.num_free_pages) / s.num_pages if s.num_pages else 0.0)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_query_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -150,9 +132,9 @@ class _EngineCollector:
                     "start.", s.prefix_hit_tokens / s.prefix_query_tokens
                     if s.prefix_query_tokens else 0.0)
         yield counter("num_preemptions", "Requests preempted (pages released, recomputed "
-                      "later).", s.preemptions)
+                      "later).", s.num_preemptions)
         yield counter("computed_tokens", "Tokens run through the model (prefill and decode).",
-                      s.computed_tokens)
+                      s.num_computed_tokens)
         for name, value in self.metrics.model_info.items():
             yield gauge("model_" + name, f"The served model's {name.replace('_', ' ')}.", value)
         yield gauge("generation_tokens_per_second", "Output tokens per second over the last "

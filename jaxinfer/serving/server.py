@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.weights import active_weight_count, step_reads, weight_bytes, weight_count
-from jaxinfer.serving.metrics import EngineSnapshot, Metrics
+from jaxinfer.serving.metrics import Metrics
 from jaxinfer.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -108,7 +108,7 @@ class EngineBridge:
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
 
     def start(self):
-        self.metrics.snapshot = EngineSnapshot.of(self.engine)
+        self.metrics.snapshot = self.engine.stats()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0):
@@ -144,7 +144,7 @@ class EngineBridge:
                 self._drain_commands()
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
-                self.metrics.snapshot = EngineSnapshot.of(self.engine)
+                self.metrics.snapshot = self.engine.stats()
             except Exception as e:
                 log.exception("the engine failed; failing the requests in flight")
                 self._fail_all(e)
