@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 import jax
@@ -41,6 +42,33 @@ def bench():
     """Benchmarks with a roofline report."""
 
 
+# Options several commands share (each use makes its own click.Option).
+_json_option = click.option(
+    "--json", "json_path", default=None, metavar="FILE",
+    help="Also write the result (ceilings, rows, device, command) to FILE as JSON.")
+_record_option = click.option(
+    "--record", default=None, metavar="FILE",
+    help="Append the report to FILE as a markdown section (e.g. bench/RESULTS.md).")
+_profile_option = click.option(
+    "--profile", default=None, metavar="DIR",
+    help="Write a jax.profiler trace of the timed part to DIR (TensorBoard / Perfetto).")
+_dtype_option = click.option(
+    "--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+    show_default=True, help="dtype of the weights and the computation.")
+_kv_cache_option = click.option(
+    "--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=4.0,
+    show_default=True, help="Size of the paged KV cache in GiB.")
+_max_num_seqs_option = click.option(
+    "--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
+    help="Most sequences the engine runs in one step.")
+_max_num_batched_tokens_option = click.option(
+    "--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+    help="Most tokens (prompt chunks and decodes) in one engine step.")
+_page_size_option = click.option(
+    "--page-size", type=click.IntRange(min=1), default=16, show_default=True,
+    help="Tokens per KV-cache page.")
+
+
 def _model_options(fn):
     opts = [
         click.option("--model", "model_path", default=None,
@@ -48,29 +76,34 @@ def _model_options(fn):
         click.option("--preset", default=None,
                      help="Random-weight model shape (llama3-8b, llama3-70b, qwen3-8b, "
                           "qwen3-30b-a3b, mixtral-8x7b, gpt-oss-20b, tiny, tiny-moe)."),
-        click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
-                     show_default=True),
+        _dtype_option,
         click.option("--quantize", default=None, metavar="FORMAT",
                      help="With --preset: quantize the random projections to FORMAT (int8, "
                           "int4:g128, fp8, ...), as `jaxinfer convert --quantize` would."),
-        click.option("--kv-cache-gb", type=float, default=4.0, show_default=True),
-        click.option("--max-num-seqs", type=click.IntRange(min=1), default=64,
-                     show_default=True),
-        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
-                     show_default=True),
+        _kv_cache_option,
+        _max_num_seqs_option,
+        _max_num_batched_tokens_option,
         click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Decode steps per host round trip (when every request decodes)."),
-        click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True,
-                     help="Tokens per KV-cache page."),
-        click.option("--json", "json_path", default=None, help="Write the result as JSON."),
-        click.option("--record", default=None, help="Append a row to this markdown file."),
-        click.option("--profile", default=None, help="Write a jax.profiler trace to this dir."),
+        _page_size_option,
+        _json_option,
+        _record_option,
+        _profile_option,
         click.option("--mesh", default=None, metavar="SPEC",
                      help="Split the model over devices, e.g. tp=2 (see `jaxinfer serve`)."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
     return fn
+
+
+def _check_outputs(**paths):
+    """Each output file's folder exists (checked before anything is measured); keywords are
+    the options' names (json="x.json")."""
+    for option, path in paths.items():
+        folder = Path(path).absolute().parent if path else None
+        if folder is not None and not folder.is_dir():
+            raise JaxinferError(f"--{option} {path}: no folder {folder}")
 
 
 def _check_model_args(model_path, preset, quantize):
@@ -106,10 +139,12 @@ def _report(kind, ceilings, rows, headline, result, json_path, record):
     if json_path:
         with open(json_path, "w") as f:
             json.dump(full, f, indent=2, default=float)
+        click.echo(f"wrote {json_path}")
     if record:
         with open(record, "a") as f:
             f.write(f"\n### {full['date']} · {device} · jax {jax.__version__} · bench {kind}\n\n"
                     f"`{command}`\n\n{table}\n")
+        click.echo(f"appended the report to {record}")
 
 
 def _profiled(profile_dir):
@@ -118,27 +153,35 @@ def _profiled(profile_dir):
 
 @bench.command()
 @click.option("--backend", type=click.Choice(["reference"]), default="reference",
-              show_default=True)
+              show_default=True,
+              help="Kernel implementations to time (only the reference ones so far).")
 @click.option("--small", is_flag=True, help="Small shapes (CPU smoke runs).")
-@click.option("--json", "json_path", default=None)
-@click.option("--record", default=None)
-@click.option("--profile", default=None)
-@click.option("--plot", default=None, help="Draw the roofline to this PNG (needs matplotlib).")
+@_json_option
+@_record_option
+@_profile_option
+@click.option("--plot", default=None, metavar="PNG",
+              help="Also draw the rows on the roofline into this PNG file (needs matplotlib).")
 def kernels(backend, small, json_path, record, profile, plot):
     """Attention and linear kernels against the device ceilings measured in the same run."""
+    _check_outputs(json=json_path, record=record, plot=plot)
+    pyplot = _pyplot() if plot else None  # a missing matplotlib fails before the long part
     with _profiled(profile):
         ceilings = measure_ceilings()
         rows = bench_kernels(ceilings, backend, small=small)
     _report("kernels", ceilings, rows, None, {}, json_path, record)
     if plot:
-        _plot(rows, ceilings, plot)
+        _plot(pyplot, rows, ceilings, plot)
+        click.echo(f"wrote {plot}")
 
 
 @bench.command()
 @_model_options
-@click.option("--batch", type=int, default=1, show_default=True)
-@click.option("--input-len", type=int, default=128, show_default=True)
-@click.option("--output-len", type=int, default=128, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Prompts sent at once, decoded together.")
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens per prompt (random token ids).")
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens generated per prompt (EOS ignored).")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed runs after the compiling one; the report gives their medians.")
 def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
@@ -146,6 +189,7 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_
             output_len, repeats):
     """Time to first token and per-token decode time."""
     _check_model_args(model_path, preset, quantize)
+    _check_outputs(json=json_path, record=record)
     ceilings = ceilings_in_child_process()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, page_size, mesh, quantize)
@@ -160,14 +204,18 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_
 
 @bench.command()
 @_model_options
-@click.option("--num-requests", type=int, default=64, show_default=True)
-@click.option("--input-len", type=int, default=256, show_default=True)
-@click.option("--output-len", type=int, default=128, show_default=True)
+@click.option("--num-requests", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests, all submitted at the start.")
+@click.option("--input-len", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Longest prompt: lengths are uniform in [len / 2, len] (random token ids).")
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens generated per request (EOS ignored).")
 def throughput(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs,
                max_num_batched_tokens, decode_steps, page_size, json_path, record, profile,
                mesh, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
     _check_model_args(model_path, preset, quantize)
+    _check_outputs(json=json_path, record=record)
     ceilings = ceilings_in_child_process()
     llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
                 decode_steps, page_size, mesh, quantize)
@@ -182,14 +230,20 @@ def throughput(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs,
     _report("throughput", ceilings, rows, headline, r, json_path, record)
 
 
-def _plot(rows, ceilings, path):
-    try:  # matplotlib: optional, for --plot only
+def _pyplot():
+    """matplotlib.pyplot (optional: for --plot only), drawing to files."""
+    try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise JaxinferError("--plot needs matplotlib (pip install matplotlib)") from None
+    return plt
+
+
+def _plot(plt, rows, ceilings, path):
+    """Draws the rows (achieved FLOP/s against FLOP/byte) under the roofline into `path`."""
     intensity = [r["flops"] / r["bytes"] for r in rows]
     achieved = [r["flops"] / (r["time_us"] * 1e-6) for r in rows]
     ridge = ceilings.matmul_flops_per_s / ceilings.copy_bytes_per_s  # where the roofs meet
@@ -211,31 +265,38 @@ def _plot(rows, ceilings, path):
                    "loopback with the model options below and stop it after.")
 @click.option("--model", "model_path", default=None, help="Checkpoint for the started server.")
 @click.option("--preset", default=None, help="Random-weight shape for the started server.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
-              show_default=True)
-@click.option("--kv-cache-gb", type=float, default=4.0, show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048,
-              show_default=True)
-@click.option("--max-model-len", type=click.IntRange(min=2), default=None)
-@click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--api-key", default=None)
+@_dtype_option
+@_kv_cache_option
+@_max_num_seqs_option
+@_max_num_batched_tokens_option
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None,
+              help="The started server's longest prompt + output (default: the model's "
+                   "context, capped by the cache).")
+@click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
+              help="The started server's decode steps per engine step.")
+@_page_size_option
+@click.option("--api-key", default=None,
+              help="Sent as 'Authorization: Bearer KEY' (and required by the started server).")
 @click.option("--mesh", default=None, metavar="SPEC", help="--mesh of the started server.")
 @click.option("--server-warmup/--no-server-warmup", default=True, show_default=True,
               help="Let the started server compile its buckets before it is ready.")
-@click.option("--num-requests", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--concurrency", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--input-len", type=click.IntRange(min=1), default=1024, show_default=True)
-@click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--num-requests", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests in the measured pass.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Most requests in flight at once.")
+@click.option("--input-len", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Longest prompt (random token ids; see --range-ratio).")
+@click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Tokens generated per request (EOS ignored).")
 @click.option("--range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0,
               show_default=True, help="Prompt lengths uniform in [len * (1 - r), len].")
 @click.option("--warmup-passes", type=click.IntRange(min=0), default=1, show_default=True,
               help="Unmeasured passes first, with other prompts of the same lengths, so that "
                    "the measured one compiles nothing.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "json_path", default=None)
-@click.option("--record", default=None)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the random prompts and their lengths.")
+@_json_option
+@_record_option
 def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
           max_model_len, decode_steps, page_size, api_key, mesh, server_warmup, num_requests,
           concurrency, input_len, output_len, range_ratio, warmup_passes, seed, json_path,
@@ -248,6 +309,7 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
         random_prompts,
         run_load,
     )
+    _check_outputs(json=json_path, record=record)
     server, ceilings = None, None
     if url is None:
         if bool(preset) == bool(model_path):

@@ -81,6 +81,10 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
         raise JaxinferError("--model and --preset: give one, not both")
     leader = join_job(coordinator, num_processes, process_id)
     sock = _bind(host, port) if leader else None  # only process 0 serves HTTP
+    if sock is not None:
+        # Listening from now on: a client connecting while the model loads waits in the
+        # backlog (then gets /health's 503 until warm-up is done), never a refusal.
+        sock.listen(2048)
     model = random_or_path(model_path, preset, dtype, mesh)
     llm = LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -89,11 +93,17 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
     if not leader:  # runs process 0's steps until it exits
         llm.follow()
         return
-    if not no_warmup:
-        llm.warmup()
     name = served_model_name or preset or model_path or "SmolLM2-135M-Instruct"
-    sock.listen(2048)  # connections from now on wait in the backlog until uvicorn accepts
     bound_host, bound_port = sock.getsockname()[:2]
-    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-    click.echo(f"ready in {time.perf_counter() - start:.1f} s on http://{url_host}:{bound_port}")
-    run_server(llm, name, sock, api_key=api_key)
+    url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
+    if not no_warmup:
+        click.echo(f"model loaded in {time.perf_counter() - start:.1f} s; warming up on {url} "
+                   "(/health answers 503 until ready)")
+
+    def on_ready():
+        stats = llm.engine.stats()
+        click.echo(f"ready in {time.perf_counter() - start:.1f} s on {url} "
+                   f"({stats.num_programs_compiled} step programs compiled, "
+                   f"{stats.num_programs_loaded} loaded from the cache)")
+
+    run_server(llm, name, sock, api_key=api_key, warmup=not no_warmup, on_ready=on_ready)

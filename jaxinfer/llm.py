@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
 
+from jaxinfer.engine import multihost
 from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine
-from jaxinfer.engine.request import Request, SamplingParams, TokenLogprob
-from jaxinfer.engine.runner import ModelRunner, bucket
-from jaxinfer.engine.scheduler import SeqChunk
+from jaxinfer.engine.request import Request, RequestDelta, SamplingParams, TokenLogprob
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.checkpoint import is_converted, load_model, open_source, shard_model
 from jaxinfer.loading.default_model import cache_dir, default_model_path
@@ -109,33 +109,40 @@ class LLM:
                                   max_num_batched_tokens, self.tokenizer, decode_steps))
         self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
 
-    def warmup(self, max_len: int | None = None, progress: bool = True) -> float:
-        """Compiles the step's buckets ahead of time: decode batches of every sequence bucket
-        at every page-table bucket up to max_len tokens of context (default: max_model_len,
-        capped at 2048), and prefill chunks of every token bucket. Returns the seconds it
-        took. Other shapes (mixed batches, longer contexts) compile on first use; the
-        persistent compilation cache keeps them across restarts. Warm-up steps write only
-        the runner's scratch page."""
+    def warmup(self, max_len: int | None = None, progress: bool = True,
+               on_progress: Callable[[int, int], None] | None = None) -> float:
+        """Compiles (or loads from the executable cache) the programs of
+        `ModelRunner.warmup_shapes` for contexts up to max_len tokens (default:
+        max_model_len, capped at 2048), on a thread pool; a tqdm bar if progress, and
+        on_progress(done, total) after each program. Returns the seconds it took."""
         from tqdm import tqdm
 
         start = time.perf_counter()
-        r, e = self.runner, self.engine
+        e = self.engine
         max_len = min(max_len or min(self.max_model_len, 2048), self.max_model_len)
-        seq_buckets = sorted({bucket(n, 1) for n in range(1, e.max_num_seqs + 1)})
-        page_buckets = sorted({bucket(n, 4, r.max_pages_per_seq)
-                               for n in range(1, -(-max_len // r.page_size) + 1)})
-        plan = [([1] * s, p * r.page_size - e.decode_steps, e.decode_steps)
-                for s in seq_buckets for p in page_buckets]
-        token_buckets = sorted({bucket(n, 16) for n in range(1, e.max_num_batched_tokens + 1)})
-        plan += [([t], 0, 1) for t in token_buckets]
-        for lengths, context, steps in tqdm(plan, desc="warm-up: compiling", unit="shape",
-                                            disable=not progress):
-            context = max(context, 0)
-            pages = [r.scratch_page] * -(-(context + max(max(lengths), steps)) // r.page_size)
-            chunks = [SeqChunk(new_tokens=[0] * n, num_cached=context, pages=pages,
-                               remaining=steps) for n in lengths]
-            for runner in e.runners:
-                runner.step(chunks, steps)
+        plans = [(r, r.warmup_shapes(e.max_num_seqs, e.max_num_batched_tokens, e.decode_steps,
+                                     max_len)) for r in e.runners]
+        total = sum(len(shapes) for _, shapes in plans)
+        bar = tqdm(total=total, desc="warm-up: compiling", unit="program", disable=not progress)
+        done = 0
+        if on_progress is not None:
+            on_progress(0, total)
+
+        def advance(*_):
+            nonlocal done
+            done += 1
+            bar.update()
+            if on_progress is not None:
+                on_progress(done, total)
+
+        with bar:
+            for runner, shapes in plans:
+                if multihost.is_multiprocess():  # followers compile as they run the steps
+                    for shape in shapes:
+                        runner.run_empty(shape)
+                        advance()
+                else:
+                    runner.steps.compile_many(shapes, advance)
         return time.perf_counter() - start
 
     @property
@@ -183,6 +190,25 @@ class LLM:
         """Returns an iterator of text deltas for one prompt (the prompt is checked now)."""
         req = self.engine.add_request(self._prompt_ids(prompt), params or SamplingParams())
         return self._stream(req)
+
+    def stream_request(self, prompt: str | list[int], params: SamplingParams | None = None
+                       ) -> tuple[Request, Iterator[RequestDelta]]:
+        """`stream` for a caller that needs more than the text: the Request (its
+        finish_reason, output_ids and logprobs are final once the iterator is done) and an
+        iterator of its RequestDeltas, one per step that added tokens (text or not). The
+        prompt is checked now; closing the iterator once it has begun aborts the request."""
+        req = self.engine.add_request(self._prompt_ids(prompt), params or SamplingParams())
+
+        def deltas() -> Iterator[RequestDelta]:
+            try:
+                while not req.finished:
+                    for delta in self.engine.step():
+                        if delta.request is req:
+                            yield delta
+            finally:
+                self.engine.abort(req)
+
+        return req, deltas()
 
     def _stream(self, req: Request) -> Iterator[str]:
         try:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -81,13 +84,27 @@ def test_truncated_safetensors(hf_copy, tmp_path):
     _fails_cleanly(["convert", hf_copy, tmp_path / "out"], "model.safetensors", tmp_path / "out")
 
 
-@pytest.mark.parametrize("keep_bytes", [4096, 50_000_000])
-def test_truncated_gguf(smollm2_gguf, tmp_path, keep_bytes):
-    """Cut inside the metadata, and inside the tensor data."""
+@pytest.mark.parametrize("where", ["header", "metadata", "tensor list", "tensor data"])
+def test_truncated_gguf(smollm2_gguf, tmp_path, where):
+    """A cut in each part of the file is named, with the bytes the reader needed."""
+    import gguf
+
+    reader = gguf.GGUFReader(smollm2_gguf)
+    tensor_list = reader.tensors[0].field.offset  # where the tensors' info records start
+    t = reader.tensors[1]
+    assert 4096 < tensor_list
+    keep, says = {
+        "header": (10, "the header needs"),  # the fixed header is 24 bytes
+        "metadata": (4096, "the metadata needs"),
+        "tensor list": (tensor_list + 5, "the tensor list needs"),
+        "tensor data": (t.data_offset + t.n_bytes - 1,
+                        f"tensor {t.name} needs {t.n_bytes} bytes at offset {t.data_offset}"),
+    }[where]
     src = tmp_path / "model.gguf"
     with open(smollm2_gguf, "rb") as f:
-        src.write_bytes(f.read(keep_bytes))
-    _fails_cleanly(["convert", src, tmp_path / "out"], "model.gguf", tmp_path / "out")
+        src.write_bytes(f.read(keep))
+    line = _fails_cleanly(["convert", src, tmp_path / "out"], "model.gguf", tmp_path / "out")
+    assert says in line and line.endswith(f"the file has {keep}"), line
 
 
 def test_shape_disagrees_with_config(hf_copy, tmp_path):
@@ -146,6 +163,26 @@ def test_failed_convert_removes_the_parents_it_made(hf_copy, tmp_path):
     (hf_copy / "model.safetensors").write_bytes(b"\0" * 100)
     _fails_cleanly(["convert", hf_copy, tmp_path / "new" / "deeper" / "out"], "model.safetensors")
     assert not (tmp_path / "new").exists()
+
+
+def test_convert_removes_what_killed_converts_left(hf_models, tmp_path):
+    """A dead process's temporary directory for the same target goes; a live process's (this
+    one's: a convert running beside), and one for another target, stay."""
+    from jaxinfer.loading.checkpoint import _tmp_prefix
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                  capture_output=True, text=True, check=True).stdout)
+    out = tmp_path / "out"
+    stale = tmp_path / (_tmp_prefix(out, dead_pid) + "abc123")
+    live = tmp_path / (_tmp_prefix(out, os.getpid()) + "def456")
+    other = tmp_path / (_tmp_prefix(tmp_path / "other", dead_pid) + "ghi789")
+    assert stale.name.startswith(".out.tmp-")
+    for d in (stale, live, other):
+        (d / "weights").mkdir(parents=True)
+    result = CliRunner().invoke(cli, ["convert", str(hf_models["llama"]), str(out)])
+    assert result.exit_code == 0, result.output
+    assert not stale.exists() and live.exists() and other.exists()
+    assert (out / "model_config.json").exists()
 
 
 def test_model_config_with_unknown_field(hf_models, tmp_path):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
+import click
 import jax.numpy as jnp
 import pytest
 from click.testing import CliRunner
@@ -156,10 +158,41 @@ def test_bench_throughput_tiny(tmp_path):
 
 
 def test_bench_kernels_plot(tmp_path):
-    result = CliRunner().invoke(cli, ["bench", "kernels", "--small", "--plot",
-                                      str(tmp_path / "roofline.png")])
+    png = tmp_path / "roofline.png"
+    result = CliRunner().invoke(cli, ["bench", "kernels", "--small", "--plot", str(png)])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in result.output
+
+
+@pytest.mark.parametrize("case", ["no matplotlib", "no folder"])
+def test_bench_kernels_output_errors_come_first(tmp_path, monkeypatch, case):
+    """A --plot that cannot be drawn, or an output in a missing folder, fails in one line
+    before anything is measured."""
+    import jaxinfer.cli.bench as bench_cli
+
+    measured = []
+    monkeypatch.setattr(bench_cli, "measure_ceilings", lambda: measured.append(1))
+    args = ["bench", "kernels", "--small", "--plot", str(tmp_path / "roofline.png")]
+    if case == "no matplotlib":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+        says = "--plot needs matplotlib"
+    else:
+        args += ["--json", str(tmp_path / "missing" / "result.json")]
+        says = f"--json {tmp_path / 'missing' / 'result.json'}: no folder"
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1 and not measured, result.output
+    assert result.output.strip().splitlines() == [result.output.strip()]
+    assert says in result.output
+
+
+def test_every_bench_option_has_help():
+    from jaxinfer.cli.bench import bench
+
+    assert set(bench.commands) == {"kernels", "latency", "throughput", "serve"}
+    missing = [f"{name} {opt.opts[0]}" for name, command in bench.commands.items()
+               for opt in command.params if isinstance(opt, click.Option) and not opt.help]
+    assert not missing, missing
 
 
 def test_bench_rejects_model_and_preset(tmp_path):

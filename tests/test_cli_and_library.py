@@ -33,7 +33,7 @@ def test_generate_streams_the_library_text(converted, llm):
                                       "--max-new-tokens", "12"])
     assert result.exit_code == 0, result.output
     expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].text
-    assert result.output == prompt + expected + "\n"
+    assert result.stdout == prompt + expected + "\n"
 
 
 def test_generate_chat_uses_the_template(converted, llm):
@@ -43,7 +43,7 @@ def test_generate_chat_uses_the_template(converted, llm):
     ids = llm.chat_prompt([{"role": "user", "content": "hello"}])
     assert ids == llm.tokenizer.encode("<user>hello</s><assistant>", add_special_tokens=False)
     expected = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6))[0].text
-    assert result.output == expected + "\n"
+    assert result.stdout == expected + "\n"
 
 
 def test_real_subprocess(hf_models, tmp_path):

@@ -415,16 +415,18 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
               decode_steps=4)
     seconds = llm.warmup(max_len=100, progress=False)
     assert seconds > 0
-    compiled = llm.runner._sample_step._cache_size()
-    # seq buckets 1, 2, 4 x page buckets 4, 7 (100 tokens = 7 pages) + token buckets 16..64
-    assert compiled == 3 * 2 + 3
+    steps = llm.runner.steps
+    # seq buckets 1, 2, 4 x page buckets 4, 7 (100 tokens = 7 pages) x 1 or 4 decode steps
+    # + token buckets 16..64
+    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 3 * 2 * 2 + 3
+    assert steps.num_on_demand == 0
     assert not any(llm.engine.scheduler.pool.ref)
     rng = np.random.default_rng()
     prompts = [rng.integers(2, VOCAB, n).tolist() for n in (10, 40, 3)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     # Prefills of 16..64 tokens, then decodes of 3, 2 and 1 sequences: nothing new compiled
     # except the mixed prefill+decode batches the scheduler formed.
-    assert llm.runner._sample_step._cache_size() <= compiled + 2
+    assert steps.num_on_demand <= 2
 
 
 def test_decode_batches_pad_tokens_to_the_sequence_bucket():
@@ -432,14 +434,16 @@ def test_decode_batches_pad_tokens_to_the_sequence_bucket():
     sequence under tensor parallelism); anything else pads to >= 16 tokens."""
     runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=8,
                          page_size=PAGE, max_model_len=8 * PAGE)
-    decode = runner.prepare([SeqChunk(new_tokens=[5], num_cached=10 + i, pages=[i])
-                             for i in range(3)], num_steps=4)
+    chunks = [SeqChunk(new_tokens=[5], num_cached=10 + i, pages=[i]) for i in range(3)]
+    decode = runner.prepare(chunks, runner.step_shape(chunks, num_steps=4))
     assert decode.token_ids.shape == (4,) and decode.md.kv_lens.shape == (4,)
     assert list(decode.token_ids) == [5, 5, 5, 0] and list(decode.positions) == [10, 11, 12, 0]
-    single = runner.prepare([SeqChunk(new_tokens=[7], num_cached=0, pages=[0])])
+    chunks = [SeqChunk(new_tokens=[7], num_cached=0, pages=[0])]
+    single = runner.prepare(chunks, runner.step_shape(chunks))
     assert single.token_ids.shape == (1,)
-    prefill = runner.prepare([SeqChunk(new_tokens=[5, 6], num_cached=0, pages=[0]),
-                              SeqChunk(new_tokens=[7], num_cached=3, pages=[1])])
+    chunks = [SeqChunk(new_tokens=[5, 6], num_cached=0, pages=[0]),
+              SeqChunk(new_tokens=[7], num_cached=3, pages=[1])]
+    prefill = runner.prepare(chunks, runner.step_shape(chunks))
     assert prefill.token_ids.shape == (16,) and prefill.md.kv_lens.shape == (2,)
 
 

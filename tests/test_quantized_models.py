@@ -241,17 +241,17 @@ def test_cli_convert_int4_g128_then_generate(hf_128, tmp_path):
     out = tmp_path / "ckpt"
     result = CliRunner().invoke(cli, ["convert", str(hf_128), str(out), "--quantize",
                                       "int4:g128"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.stdout
     assert _config(out)["quantization"] == "int4:g128"
     assert _stored(out)["layers.1.mlp.down_proj.weight_scale"].shape == (2, 128)
     prompt = "The history of printing"
     result = CliRunner().invoke(cli, ["generate", "--model", str(out), "--prompt", prompt,
                                       "--max-new-tokens", "8"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.stdout
     llm = LLM(out, kv_cache_bytes=KV_BYTES)
     assert llm.model.layers[1].mlp.down_proj.quantized_weight().kind == "int4"
     expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0].text
-    assert result.output == prompt + expected + "\n"
+    assert result.stdout == prompt + expected + "\n"
 
 
 @pytest.mark.parametrize("spec", ["int3", "int4:g48", "fp8:g32", "int8:sym"])

@@ -76,11 +76,11 @@ def _page_bytes(model_dir: Path) -> int:
 
 
 def _start(model_dir: Path, log: Path, pages: int, *args: str,
-           env: dict | None = None) -> subprocess.Popen:
+           env: dict | None = None, warmup: bool = False) -> subprocess.Popen:
     # Half a page more than `pages`, so that float rounding cannot lose one.
     gb = (pages + 0.5) * _page_bytes(model_dir) / 2**30
     cmd = [sys.executable, "-m", "jaxinfer.cli.main", "serve", "--model", str(model_dir),
-           "--port", "0", "--no-warmup", "--kv-cache-gb", repr(gb), *args]
+           "--port", "0", "--kv-cache-gb", repr(gb), *args, *([] if warmup else ["--no-warmup"])]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})})
 
@@ -647,3 +647,44 @@ def test_serve_cli_errors(qwen3_converted):
     assert "cannot listen there" in result.output and str(port) in result.output
     result = CliRunner().invoke(cli, ["serve", "--model", "x", "--preset", "tiny"])
     assert result.exit_code == 1 and "give one, not both" in result.output
+
+
+def test_health_answers_during_warmup_and_nothing_compiles_after_ready(qwen3_converted,
+                                                                         tmp_path):
+    """A warming-up server answers /health (503, with progress) and generation requests (503,
+    Retry-After) instead of refusing connections; once ready, a request whose context grows
+    past several page buckets (64, 128 tokens) runs on programs the warm-up made: no step
+    program is compiled after ready, on demand or otherwise."""
+    log = tmp_path / "warm.log"
+    proc = _start(qwen3_converted, log, 64, "--max-num-seqs", "4", "--max-num-batched-tokens",
+                  "64", "--max-model-len", "256", warmup=True,
+                  env={"JAXINFER_EXECUTABLE_CACHE": str(tmp_path / "executables")})
+    try:
+        deadline = time.monotonic() + 300
+        while not (m := re.search(r"warming up on (http://\S+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        url = m.group(1)
+        health = httpx.get(f"{url}/health", timeout=60)  # waits in the backlog if need be
+        assert health.status_code == 503, health.text
+        body = health.json()
+        assert body["status"] == "warming up" and body["programs_compiled"] < 12
+        early = httpx.post(f"{url}/v1/completions", timeout=60,
+                           json={"prompt": [5, 6, 7], "max_tokens": 2})
+        assert early.status_code == 503 and early.headers["retry-after"]
+        assert early.json()["error"]["code"] == "warming_up"
+        server = _wait_ready(proc, log, None)
+        assert httpx.get(f"{url}/health").json() == {"status": "ready"}
+        before = server.metrics()
+        assert before["jaxinfer_step_programs_compiled_total"] == 12  # 3 x 3 decode, 3 prefill
+        prompt = np.random.default_rng().integers(2, VOCAB, 20).tolist()
+        out = server.client.completions.create(model=str(qwen3_converted), prompt=prompt,
+                                               max_tokens=200, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 200  # context 20 -> 220: pages 4 -> 8 -> 16
+        after = server.wait_idle()
+        assert after["jaxinfer_step_programs_compiled_on_demand_total"] == 0
+        assert after["jaxinfer_step_programs_compiled_total"] == 12
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -39,6 +39,9 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # ... and found there
     num_computed_tokens: int = 0  # tokens run through the model (prefill + decode)
     num_generated_tokens: int = 0  # output tokens kept
+    num_programs_compiled: int = 0  # step programs traced and compiled in this process
+    num_programs_loaded: int = 0  # ... loaded from the executable cache
+    num_compiled_on_demand: int = 0  # ... that a step needed before any warm-up made them
 
     def __add__(self, other: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) + getattr(other, f.name)
@@ -150,11 +153,12 @@ class Engine(EngineInterface):
         return self._last_batch
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, programs = self.scheduler, self.runner.steps
         return EngineStats(len(s.waiting), len(s.running), s.pool.num_pages, s.pool.num_free,
                            self.num_steps, s.num_preemptions, s.prefix_query_tokens,
                            s.prefix_hit_tokens, self.num_computed_tokens,
-                           self.num_generated_tokens)
+                           self.num_generated_tokens, programs.num_compiled,
+                           programs.num_loaded, programs.num_on_demand)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams):
         """Reads only the configuration, so any thread may call it."""

@@ -2,8 +2,9 @@
 runs one jitted step (model forward + sampling) over the paged KV cache.
 
 Shapes are padded to power-of-two buckets (tokens T, sequences S, pages per
-sequence P; a decode batch has T = S), so a new prompt length reuses a compiled step;
-the KV cache is donated so XLA updates the pages in place.
+sequence P; a decode batch has T = S): a batch's `StepShape` names its compiled program,
+which `jaxinfer.engine.compiled_steps.CompiledSteps` makes once (ahead of time at warm-up,
+or loaded from disk) and reuses. The KV cache is donated so XLA updates the pages in place.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.engine import multihost
+from jaxinfer.engine.compiled_steps import CompiledSteps, StepShape
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.sampling import SamplingTensors, logprobs_of, sample, token_counts
 from jaxinfer.engine.scheduler import SeqChunk
@@ -110,6 +112,28 @@ class ModelRunner:
         self._sample_step = jax.jit(self._sample, static_argnames=("num_steps", "with_logprobs"),
                                     **jit)
         self._logits_step = jax.jit(self._logits, **jit)
+        identity = repr((c, self.eos_token_ids, page_size, num_pages, jit["compiler_options"],
+                         self.mesh.axis_names, self.mesh.devices.shape,
+                         [d.id for d in self.mesh.devices.flat],
+                         [(x.shape, x.dtype, x.sharding) for x in self.state_leaves],
+                         [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(self.kv_cache)]))
+        self.steps = CompiledSteps("step", self._lower, self._example_args, self._out_tree,
+                                   identity, self.mesh.devices.flat)
+
+    def _lower(self, shape: StepShape, kv_cache, state_leaves, inputs) -> jax.stages.Lowered:
+        with jax.set_mesh(self.mesh):
+            if shape.kind == "logits":
+                return self._logits_step.trace(kv_cache, state_leaves, inputs).lower()
+            return self._sample_step.trace(kv_cache, state_leaves, inputs,
+                                           num_steps=shape.num_steps,
+                                           with_logprobs=shape.with_logprobs).lower()
+
+    def _example_args(self, shape: StepShape) -> tuple:
+        return self.kv_cache, self.state_leaves, self.empty_inputs(shape)
+
+    def _out_tree(self, shape: StepShape):
+        kv = [tuple(0 for _ in layer) for layer in self.kv_cache]
+        return jax.tree.structure((0 if shape.kind == "logits" else (0, 0, 0, 0), kv))
 
     def _model(self, state_leaves) -> Decoder:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_treedef, state_leaves))
@@ -206,8 +230,9 @@ class ModelRunner:
         return ((state.out_tokens, state.out_lp, state.out_top_ids, state.out_top_lp),
                 state.kv_cache)
 
-    def prepare(self, chunks: list[SeqChunk], num_steps: int = 1) -> StepInputs:
-        """Host-side: pads a batch to its buckets (numpy; one transfer per array).
+    def step_shape(self, chunks: list[SeqChunk], num_steps: int = 1,
+                   with_logprobs: bool = False, kind: str = "sample") -> StepShape:
+        """The buckets a batch pads to, i.e. the program it runs.
 
         num_steps > 1 (a multi-step decode: one new token per chunk, token s is sequence
         s's) sizes the page table for the min(num_steps, remaining) tokens each will write.
@@ -223,39 +248,80 @@ class ModelRunner:
         max_pages = max(-(-(c.num_cached + max(len(c.new_tokens), min(num_steps, c.remaining)))
                           // self.page_size) for c in chunks)
         P = bucket(max_pages, 4, self.max_pages_per_seq)
-        token_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        cu_q_lens = np.zeros(S + 1, np.int32)
-        kv_lens = np.zeros(S, np.int32)
-        page_indices = np.zeros((S, P), np.int32)
-        logits_indices = np.zeros(S, np.int32)
-        num_prompt, remaining = np.zeros(S, np.int32), np.zeros(S, np.int32)
-        stops_on_eos = np.zeros(S, bool)
         penalized = any(c.params is not None and c.params.has_penalties for c in chunks)
         L = bucket(max(len(c.history or ()) for c in chunks), 16) if penalized else 0
-        history = np.full((S, L), -1, np.int32)
+        return StepShape(kind, T, S, P, L, num_steps, with_logprobs)
+
+    def warmup_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
+                      decode_steps: int, max_len: int) -> list[StepShape]:
+        """The programs a server compiles before it is ready: decode batches of every
+        sequence bucket at every page bucket up to max_len tokens of context (one step, and
+        decode_steps steps), and one-sequence prefill chunks of every token bucket. Built
+        with `step_shape`, so they are the shapes those batches will ask for. Batches of
+        other kinds (prefill mixed with decodes, logprobs, penalties) compile on first use;
+        a decode batch's next page bucket compiles in the background (`launch`)."""
+        ps = self.page_size
+        seq_buckets = sorted({bucket(n, 1) for n in range(1, max_num_seqs + 1)})
+        page_buckets = sorted({bucket(n, 4, self.max_pages_per_seq)
+                               for n in range(1, -(-max_len // ps) + 1)})
+        shapes = set()
+        for steps in sorted({1, decode_steps}):
+            for s in seq_buckets:
+                for p in page_buckets:
+                    context = max(p * ps - steps, 0)
+                    chunks = [SeqChunk(new_tokens=[0], num_cached=context, pages=[],
+                                       remaining=steps)] * s
+                    shapes.add(self.step_shape(chunks, steps))
+        for t in sorted({bucket(n, 16) for n in range(1, max_num_batched_tokens + 1)}):
+            shapes.add(self.step_shape([SeqChunk(new_tokens=[0] * t, num_cached=0, pages=[])]))
+        return sorted(shapes)
+
+    def empty_inputs(self, shape: StepShape) -> StepInputs:
+        """Host-side inputs of a shape holding no sequence (greedy; pages: the scratch
+        page)."""
+        T, S, P, L = shape.num_tokens, shape.num_seqs, shape.pages_per_seq, shape.history
+        md = AttentionMetadata(cu_q_lens=np.zeros(S + 1, np.int32),
+                               kv_lens=np.zeros(S, np.int32),
+                               page_indices=np.full((S, P), self.scratch_page, np.int32),
+                               num_seqs=np.zeros(1, np.int32), scratch_page=True)
+        return StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), md,
+                          np.zeros(S, np.int32), SamplingTensors.build([], [], [], S),
+                          np.full((S, L), -1, np.int32), np.zeros(S, np.int32),
+                          np.zeros(S, np.int32), np.zeros(S, bool))
+
+    def prepare(self, chunks: list[SeqChunk], shape: StepShape) -> StepInputs:
+        """Host-side: the batch padded to its shape's buckets (numpy; one transfer per
+        array)."""
+        x = self.empty_inputs(shape)
+        md = x.md
         t = 0
         for s, c in enumerate(chunks):
             n = len(c.new_tokens)
-            token_ids[t:t + n] = c.new_tokens
-            positions[t:t + n] = np.arange(c.num_cached, c.num_cached + n)
-            cu_q_lens[s + 1] = t + n
-            kv_lens[s] = c.num_cached + n
-            page_indices[s, :len(c.pages)] = c.pages[:P]
-            logits_indices[s] = t + n - 1
-            remaining[s] = c.remaining
-            stops_on_eos[s] = c.params is None or not c.params.ignore_eos
-            if penalized and c.history is not None:
-                history[s, :len(c.history)] = c.history
-                num_prompt[s] = c.num_prompt
+            x.token_ids[t:t + n] = c.new_tokens
+            x.positions[t:t + n] = np.arange(c.num_cached, c.num_cached + n)
+            md.cu_q_lens[s + 1] = t + n
+            md.kv_lens[s] = c.num_cached + n
+            md.page_indices[s, :len(c.pages)] = c.pages[:shape.pages_per_seq]
+            x.logits_indices[s] = t + n - 1
+            x.remaining[s] = c.remaining
+            x.stops_on_eos[s] = c.params is None or not c.params.ignore_eos
+            if shape.history and c.history is not None:
+                x.history[s, :len(c.history)] = c.history
+                x.num_prompt[s] = c.num_prompt
             t += n
-        cu_q_lens[len(chunks) + 1:] = t
-        md = AttentionMetadata(cu_q_lens=cu_q_lens, kv_lens=kv_lens, page_indices=page_indices,
-                               num_seqs=np.array([len(chunks)], np.int32), scratch_page=True)
+        md.cu_q_lens[len(chunks) + 1:] = t
+        md.num_seqs[0] = len(chunks)
         sampling = SamplingTensors.build([c.params for c in chunks], [c.seed for c in chunks],
-                                         [c.step for c in chunks], S)
-        return StepInputs(token_ids, positions, md, logits_indices, sampling, history,
-                          num_prompt, remaining, stops_on_eos)
+                                         [c.step for c in chunks], shape.num_seqs)
+        return dataclasses.replace(x, sampling=sampling)
+
+    @staticmethod
+    def shape_of(inputs: StepInputs, kind: str = "sample", num_steps: int = 1,
+                 with_logprobs: bool = False) -> StepShape:
+        """The shape of prepared inputs (a follower process receives inputs, not chunks)."""
+        return StepShape(kind, inputs.token_ids.shape[0], inputs.logits_indices.shape[0],
+                         inputs.md.page_indices.shape[1], inputs.history.shape[1], num_steps,
+                         with_logprobs)
 
     def step(self, chunks: list[SeqChunk], num_steps: int = 1,
              with_logprobs: bool = False) -> StepOutput:
@@ -267,23 +333,41 @@ class ModelRunner:
                with_logprobs: bool = False) -> PendingStep:
         """Dispatches the batch and returns at once (the device works while the host goes on,
         e.g. launching other replicas' batches); `collect` waits for the result."""
-        inputs = self.prepare(chunks, num_steps)
+        shape = self.step_shape(chunks, num_steps, with_logprobs)
+        inputs = self.prepare(chunks, shape)
         multihost.lead(multihost.SAMPLE, inputs, num_steps, with_logprobs)
-        return PendingStep(self._run_sample(inputs, num_steps, with_logprobs), len(chunks),
+        self._prefetch_next_pages(chunks, shape)
+        return PendingStep(self._run(inputs, "sample", num_steps, with_logprobs), len(chunks),
                            with_logprobs)
 
-    def _run_sample(self, inputs: StepInputs, num_steps: int, with_logprobs: bool):
-        with jax.set_mesh(self.mesh):
-            out, self.kv_cache = self._sample_step(
-                self.kv_cache, self.state_leaves, multihost.to_global(inputs, self.mesh),
-                num_steps=num_steps, with_logprobs=with_logprobs)
-        return out
+    def run_empty(self, shape: StepShape):
+        """Runs shape's program on a batch of no sequence (warm-up of a multi-host job,
+        whose followers compile a program when they first run it). Writes nothing: padding
+        rows write the scratch page."""
+        inputs = self.empty_inputs(shape)
+        multihost.lead(multihost.SAMPLE if shape.kind == "sample" else multihost.LOGITS,
+                       inputs, shape.num_steps, shape.with_logprobs)
+        jax.block_until_ready(self._run(inputs, shape.kind, shape.num_steps,
+                                        shape.with_logprobs))
 
-    def _run_logits(self, inputs: StepInputs):
+    def _prefetch_next_pages(self, chunks: list[SeqChunk], shape: StepShape):
+        """Once a batch's longest sequence is past half of its page bucket, compiles the
+        program of the next bucket in the background, so that growing into it does not stall
+        the stream (on one process: a multi-host job's followers could not follow)."""
+        P = shape.pages_per_seq
+        if P >= self.max_pages_per_seq or multihost.is_multiprocess():
+            return
+        if 2 * max(c.num_cached + len(c.new_tokens) for c in chunks) > P * self.page_size:
+            self.steps.prefetch(dataclasses.replace(
+                shape, pages_per_seq=bucket(P + 1, 4, self.max_pages_per_seq)))
+
+    def _run(self, inputs: StepInputs, kind: str, num_steps: int = 1,
+             with_logprobs: bool = False):
+        shape = self.shape_of(inputs, kind, num_steps, with_logprobs)
         with jax.set_mesh(self.mesh):
-            logits, self.kv_cache = self._logits_step(
-                self.kv_cache, self.state_leaves, multihost.to_global(inputs, self.mesh))
-        return logits
+            out, self.kv_cache = self.steps.run(
+                shape, self.kv_cache, self.state_leaves, multihost.to_global(inputs, self.mesh))
+        return out
 
     @staticmethod
     def collect(pending: PendingStep) -> StepOutput:
@@ -294,9 +378,9 @@ class ModelRunner:
 
     def logits(self, chunks: list[SeqChunk]) -> list[np.ndarray]:
         """Runs the batch; returns each chunk's float32 logits [len(new_tokens), vocab]."""
-        inputs = self.prepare(chunks)
+        inputs = self.prepare(chunks, self.step_shape(chunks, kind="logits"))
         multihost.lead(multihost.LOGITS, inputs)
-        logits = multihost.host_value(self._run_logits(inputs))
+        logits = multihost.host_value(self._run(inputs, "logits"))
         out, t = [], 0
         for c in chunks:
             out.append(logits[t:t + len(c.new_tokens)])
@@ -306,15 +390,16 @@ class ModelRunner:
     def follow(self) -> list[np.ndarray]:
         """On a process other than 0 (multi-host): runs every step process 0 broadcasts,
         until it broadcasts the end; returns each sampling step's tokens [S, N]."""
-        template = self.prepare([SeqChunk(new_tokens=[0], num_cached=0, pages=[0])])
+        chunks = [SeqChunk(new_tokens=[0], num_cached=0, pages=[0])]
+        template = self.prepare(chunks, self.step_shape(chunks))
         tokens = []
         while (received := multihost.follow(template)) is not None:
             kind, inputs, num_steps, with_logprobs = received
             if kind == multihost.SAMPLE:
-                out = self._run_sample(inputs, num_steps, with_logprobs)
+                out = self._run(inputs, "sample", num_steps, with_logprobs)
                 tokens.append(multihost.host_value(out[0]))
             else:
-                self._run_logits(inputs)
+                self._run(inputs, "logits")
         return tokens
 
 

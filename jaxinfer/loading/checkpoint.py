@@ -22,15 +22,19 @@ q/k/v and gate/up joined, norm scales folded into float projections).
 Conversion streams: tensors are read one at a time and written with Orbax
 partial saves in groups of at most GROUP_BYTES, so peak memory tracks the
 largest tensor, not the model. Everything is written to a temporary directory
-beside OUT and renamed into place at the end, so a failure leaves nothing behind.
+beside OUT and renamed into place at the end, so a failure leaves nothing behind; the
+directory of a killed convert is removed by the next convert into the same OUT.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
+import re
 import shutil
+import socket
 import tempfile
 import warnings
 from pathlib import Path
@@ -157,6 +161,35 @@ def _check_group_size(source, want: dict, fmt: QuantFormat):
                                 f"in_features K={k}, not a multiple of the group size {g}")
 
 
+def _tmp_prefix(out: Path, pid: int) -> str:
+    """Name prefix of the temporary directory that process `pid` of this host converts `out`
+    in: hidden, beside `out`, and naming its writer, so a later convert can tell whether the
+    writer is still running."""
+    return f".{out.name}.tmp-{pid}@{socket.gethostname()}-"
+
+
+def _remove_stale_tmp_dirs(out: Path) -> None:
+    """Removes the temporary directories of converts into `out` whose process has died (a
+    killed convert cannot remove its own); those of live processes, or of other hosts sharing
+    the folder, are left alone."""
+    pattern = re.compile(re.escape(f".{out.name}.tmp-") + r"(\d+)@(.+)-[a-z0-9_]+")
+    host = socket.gethostname()
+    for path in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        m = pattern.fullmatch(path.name)
+        if m and m.group(2) == host and not _process_alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
             quantize: str | None = None, progress: bool = True) -> Path:
     """Converts an HF directory or GGUF file to a jaxinfer (Orbax) checkpoint directory.
@@ -186,7 +219,8 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        _remove_stale_tmp_dirs(out)
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(out, os.getpid()), dir=out.parent))
         ocp = _ocp()
         weights = tmp / WEIGHTS_DIR
         group, group_bytes, native = {}, 0, False

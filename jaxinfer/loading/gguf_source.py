@@ -123,21 +123,64 @@ def decode_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Q
     return QuantizedWeight(values, np.ascontiguousarray(d.T), offsets)
 
 
+class _ShortFile(Exception):
+    """A read past the end of a GGUF file; the message says what needed how many bytes where."""
+
+
+def _read_gguf(path: Path):
+    """A `gguf.GGUFReader` of `path` that raises _ShortFile at the first read past the file's end.
+
+    The stock reader slices its memmap without a bounds check, so a truncated file gets short
+    arrays and fails later in numpy, with a message about dtypes or shapes.
+    """
+    import gguf
+
+    class CheckedReader(gguf.GGUFReader):
+        # What the reader is reading, for the message: it reads the fixed header, then the
+        # key/value metadata, then one info record per tensor, then the tensors' data.
+        reading = "the header"
+        tensor_at: dict[int, str] = {}  # data offset -> tensor name
+
+        def _build_fields(self, offs, count):
+            self.reading = "the metadata"
+            return super()._build_fields(offs, count)
+
+        def _build_tensor_info(self, offs, count):
+            self.reading = "the tensor list"
+            return super()._build_tensor_info(offs, count)
+
+        def _build_tensors(self, start_offs, fields):
+            self.tensor_at = {int(start_offs) + int(f.parts[-1][0]): f.name for f in fields}
+            return super()._build_tensors(start_offs, fields)
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            offset, size = int(offset), len(self.data)
+            nbytes = np.dtype(dtype).itemsize * int(count)
+            if offset + nbytes > size:
+                name = self.tensor_at.get(offset)
+                what = f"tensor {name}" if name is not None else self.reading
+                raise _ShortFile(f"{what} needs {nbytes} bytes at offset {offset}, "
+                                 f"the file has {size}")
+            return super()._get(offset, dtype, count, override_order)
+
+    return CheckedReader(path)
+
+
 class GGUFSource:
     """A .gguf file (llama, mistral, qwen2, qwen3 architectures)."""
 
     native_quantization = "gguf"  # the ModelConfig.quantization of its own quantized tensors
 
     def __init__(self, path: Path):
-        import gguf
-
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(self.path)
+            self.reader = _read_gguf(self.path)
             self.meta = {k: f.contents() for k, f in self.reader.fields.items()
                          if not k.startswith("GGUF.")}
         except FileNotFoundError:
             raise JaxinferError(f"{self.path}: file not found") from None
+        except _ShortFile as e:
+            raise JaxinferError(f"{self.path}: truncated or corrupt GGUF file: {e}") from None
         except Exception as e:  # gguf raises ValueError/IndexError/... on damaged files
             raise JaxinferError(f"{self.path}: truncated or corrupt GGUF file ({e})") from None
         names = {t.name for t in self.reader.tensors}

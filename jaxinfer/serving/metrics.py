@@ -135,6 +135,13 @@ class _EngineCollector:
                       "later).", s.num_preemptions)
         yield counter("computed_tokens", "Tokens run through the model (prefill and decode).",
                       s.num_computed_tokens)
+        yield counter("step_programs_compiled", "Step programs traced and compiled (warm-up, "
+                      "background and on demand).", s.num_programs_compiled)
+        yield counter("step_programs_loaded", "Step programs loaded from the executable "
+                      "cache.", s.num_programs_loaded)
+        yield counter("step_programs_compiled_on_demand", "Step programs a batch needed before "
+                      "they were made: the batch waited for the compile.",
+                      s.num_compiled_on_demand)
         for name, value in self.metrics.model_info.items():
             yield gauge("model_" + name, f"The served model's {name.replace('_', ' ')}.", value)
         yield gauge("generation_tokens_per_second", "Output tokens per second over the last "

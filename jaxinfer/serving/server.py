@@ -10,6 +10,12 @@ disconnects, and non-streaming handlers watch for the ASGI `http.disconnect` mes
 while they wait. If a step raises, the requests in flight fail with a 500 and the engine
 thread carries on with the next ones.
 
+Start-up: the HTTP side answers from the moment uvicorn runs, while the engine thread
+first warms up (compiles or loads the step programs, `LLM.warmup`). Until it is done
+`/health` answers 503 with the progress (`Readiness`) and `/v1/completions` and
+`/v1/chat/completions` answer 503 with Retry-After, so that load balancers and OpenAI
+clients (which retry a 503) wait instead of meeting a refused connection or a stall.
+
 Errors are OpenAI-style bodies: 400 for invalid requests (including what FastAPI
 would answer with 422, and JaxinferError from SamplingParams or the engine's
 validation), 401 for a wrong API key, 404 for an unknown model or route, 500 for
@@ -25,7 +31,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -96,11 +102,38 @@ class _Handle:
             yield await self.get()
 
 
-class EngineBridge:
-    """Owns the engine on one thread; handlers talk to it with `new` + `submit`, and `abort`."""
+class Readiness:
+    """Where start-up is: "warming up" (programs done of total), "ready", or "failed"."""
 
-    def __init__(self, engine: EngineInterface, metrics: Metrics):
+    def __init__(self, warming_up: bool):
+        self.state = "warming up" if warming_up else "ready"
+        self.done = self.total = 0
+        self.error: str | None = None
+
+    def progress(self, done: int, total: int):
+        self.done, self.total = done, total
+
+    def body(self) -> dict:
+        body = {"status": self.state}
+        if self.state != "ready":
+            body.update(programs_compiled=self.done, programs_total=self.total)
+        if self.error:
+            body["error"] = self.error
+        return body
+
+
+class EngineBridge:
+    """Owns the engine on one thread; handlers talk to it with `new` + `submit`, and `abort`.
+
+    warmup(on_progress) (e.g. `LLM.warmup`) runs on that thread before anything else;
+    on_ready() is called once it is done."""
+
+    def __init__(self, engine: EngineInterface, metrics: Metrics,
+                 warmup: Callable[[Callable[[int, int], None]], object] | None = None,
+                 on_ready: Callable[[], None] | None = None):
         self.engine, self.metrics = engine, metrics
+        self.readiness = Readiness(warmup is not None)
+        self._warmup, self._on_ready = warmup, on_ready
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._live: dict[int, _Handle] = {}  # engine request id -> handle (engine thread)
@@ -137,7 +170,23 @@ class EngineBridge:
 
     # Everything below runs on the engine thread.
 
+    def _start_up(self) -> bool:
+        if self._warmup is not None:
+            try:
+                self._warmup(self.readiness.progress)
+            except Exception as e:
+                log.exception("warm-up failed")
+                self.readiness.state, self.readiness.error = "failed", f"warm-up failed: {e}"
+                return False
+            self.readiness.state = "ready"
+            self.metrics.snapshot = self.engine.stats()
+        if self._on_ready is not None:
+            self._on_ready()
+        return True
+
     def _run(self):
+        if not self._start_up():
+            return
         while not self._stopping:
             self._wake.clear()  # before draining: a command sent after this sets it again
             try:
@@ -398,11 +447,16 @@ def _model_info(llm) -> dict[str, float]:
 
 
 def create_app(llm, model_name: str, api_key: str | None = None,
-               model_info: dict[str, float] | None = None) -> FastAPI:
-    """The app for an LLM; its lifespan starts and stops the engine thread. model_info (the
-    model's sizes) is published in /metrics."""
+               model_info: dict[str, float] | None = None, warmup: bool = False,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The app for an LLM; its lifespan starts and stops the engine thread, which warms up
+    first if asked (the app answers 503 until then) and then calls on_ready(). model_info
+    (the model's sizes) is published in /metrics."""
     metrics = Metrics(model_info)
-    bridge = EngineBridge(llm.engine, metrics)
+    bridge = EngineBridge(
+        llm.engine, metrics,
+        (lambda progress: llm.warmup(progress=False, on_progress=progress)) if warmup else None,
+        on_ready)
     server = _Server(llm, model_name, bridge, metrics)
 
     @asynccontextmanager
@@ -424,7 +478,8 @@ def create_app(llm, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": "2"} if e.code == "warming_up" else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(JaxinferError)
     async def _jaxinfer_error(request: Request, e: JaxinferError):
@@ -452,11 +507,23 @@ def create_app(llm, model_name: str, api_key: str | None = None,
         # Starlette re-raises the exception after this response, and uvicorn logs it.
         return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
+    def check_ready():
+        """A 503 (with Retry-After) for generation requests until warm-up is done."""
+        r = bridge.readiness
+        if r.state == "ready":
+            return
+        message = (f"the server is warming up ({r.done} of {r.total or '?'} step programs "
+                   "compiled); retry shortly" if r.state == "warming up"
+                   else f"the server cannot serve: {r.error}")
+        raise APIError(503, message, code="warming_up" if r.state == "warming up"
+                       else "server_error", type="server_error")
+
     @app.get("/health")
     async def health():
-        if not bridge.is_alive():
+        r = bridge.readiness
+        if r.state == "ready" and not bridge.is_alive():
             return error(503, "the engine thread is not running", "server_error")
-        return Response(status_code=200)
+        return JSONResponse(r.body(), status_code=200 if r.state == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -471,6 +538,7 @@ def create_app(llm, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_ready()
         body.check_supported()
         server.check_model(body.model)
         prompt_ids = server.prompt_ids(body.single_prompt())
@@ -493,6 +561,7 @@ def create_app(llm, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_ready()
         body.check_supported()
         server.check_model(body.model)
         prompt_ids = server.chat_ids(body)
@@ -561,10 +630,12 @@ def _validation_message(errors) -> str:
 
 
 def run_server(llm, model_name: str, sock, api_key: str | None = None,
-               log_level: str = "info"):
-    """Serves the app on an already bound socket until interrupted."""
+               log_level: str = "info", warmup: bool = False,
+               on_ready: Callable[[], None] | None = None):
+    """Serves the app on an already bound socket until interrupted (warming up first, in
+    the background, if asked; on_ready() once ready)."""
     import uvicorn
 
-    app = create_app(llm, model_name, api_key, _model_info(llm))
+    app = create_app(llm, model_name, api_key, _model_info(llm), warmup, on_ready)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
