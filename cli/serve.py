@@ -8,10 +8,15 @@ import time
 from pathlib import Path
 
 import click
+import jax
 
 from jaxinfer.cli.parallel import join_job, parallel_options, random_or_path
 from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM
+
+# On the CPU the cache is host memory beside the model and the compiler: 1 GiB holds 22k
+# tokens of the default SmolLM2 (float32).
+DEFAULT_KV_CACHE_GB, DEFAULT_CPU_KV_CACHE_GB = 4.0, 1.0
 
 
 def _seconds_since_process_start() -> float | None:
@@ -55,8 +60,9 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-num-batched-tokens", default=2048, show_default=True,
               type=click.IntRange(min=1))
-@click.option("--kv-cache-gb", default=4.0, show_default=True, type=click.FloatRange(min=0,
-              min_open=True), help="Size of the paged KV cache in GiB.")
+@click.option("--kv-cache-gb", default=None, type=click.FloatRange(min=0, min_open=True),
+              help=f"Size of the paged KV cache in GiB (default: {DEFAULT_KV_CACHE_GB} on a GPU "
+                   f"or TPU, {DEFAULT_CPU_KV_CACHE_GB} on the CPU).")
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2),
               help="Longest prompt + output (default: the model's context, capped by the cache).")
 @click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
@@ -74,8 +80,8 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
     try:
         from jaxinfer.serving.server import run_server
     except ImportError as e:
-        raise JaxinferError(f"jaxinfer serve needs the 'serve' extra (pip install "
-                            f"'jaxinfer[serve]'): {e}") from None
+        raise JaxinferError(f"jaxinfer serve needs the 'serve' extra (in a checkout: bash "
+                            f".ci/venv serve; else pip install 'jaxinfer[serve]'): {e}") from None
 
     if model_path and preset:
         raise JaxinferError("--model and --preset: give one, not both")
@@ -86,6 +92,9 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
         # backlog (then gets /health's 503 until warm-up is done), never a refusal.
         sock.listen(2048)
     model = random_or_path(model_path, preset, dtype, mesh)
+    if kv_cache_gb is None:
+        kv_cache_gb = (DEFAULT_CPU_KV_CACHE_GB if jax.default_backend() == "cpu"
+                       else DEFAULT_KV_CACHE_GB)
     llm = LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,

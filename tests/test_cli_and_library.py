@@ -119,16 +119,20 @@ class _CompileCounter:
 
 
 def test_new_prompt_lengths_do_not_recompile(converted):
-    llm = LLM(converted)  # a fresh engine: its first steps compile
+    llm = LLM(converted)  # a fresh engine: its first steps compile (or load from disk)
+    programs = llm.runner.steps
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     rng = np.random.default_rng()
-    with _CompileCounter() as compiles:  # prefill bucket T=32, decode bucket T=16
-        llm.generate([rng.integers(2, VOCAB, 20).tolist()], params)
-    assert compiles.count >= 2
+    llm.generate([rng.integers(2, VOCAB, 20).tolist()], params)
+    made = len(programs.shapes())  # prefill bucket T=32, decode bucket T=1
+    assert made >= 2
     with _CompileCounter() as compiles:
-        for n in (17, 21, 25, 30):  # same token / sequence / page buckets, different lengths
+        for n in (17, 21, 25, 28):  # same token / sequence / page buckets, different lengths
             llm.generate([rng.integers(2, VOCAB, n).tolist()], params)
-    assert compiles.count == 0
-    with _CompileCounter() as compiles:
-        llm.generate([rng.integers(2, VOCAB, 40).tolist()], params)  # token bucket T=64
-    assert compiles.count == 1
+    assert compiles.count == 0 and len(programs.shapes()) == made
+    before = set(programs.shapes())
+    llm.generate([rng.integers(2, VOCAB, 40).tolist()], params)  # token bucket T=64
+    new = set(programs.shapes()) - before
+    # The new prefill bucket, and (compiled in the background, as the sequence passed half of
+    # its 4 pages) the decode program of the next page bucket.
+    assert {(s.num_tokens, s.pages_per_seq) for s in new} == {(64, 4), (1, 8)}

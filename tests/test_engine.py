@@ -113,6 +113,7 @@ class HostRunner:
         self.config = SimpleNamespace(vocab_size=HOST_VOCAB)
         self.batches: list[list[bool]] = []
         self.num_steps: list[int] = []  # of each batch
+        self.steps = SimpleNamespace(num_compiled=0, num_loaded=0, num_on_demand=0)
 
     def launch(self, chunks: list[SeqChunk], num_steps: int, with_logprobs: bool):
         self.batches.append([len(c.new_tokens) == 1 and c.num_cached + 1 == c.num_prompt + c.step

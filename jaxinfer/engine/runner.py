@@ -117,10 +117,10 @@ class ModelRunner:
                          [d.id for d in self.mesh.devices.flat],
                          [(x.shape, x.dtype, x.sharding) for x in self.state_leaves],
                          [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(self.kv_cache)]))
-        self.steps = CompiledSteps("step", self._lower, self._example_args, self._out_tree,
+        self.steps = CompiledSteps("step", self.lower, self.example_args, self._out_tree,
                                    identity, self.mesh.devices.flat)
 
-    def _lower(self, shape: StepShape, kv_cache, state_leaves, inputs) -> jax.stages.Lowered:
+    def lower(self, shape: StepShape, kv_cache, state_leaves, inputs) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh):
             if shape.kind == "logits":
                 return self._logits_step.trace(kv_cache, state_leaves, inputs).lower()
@@ -128,7 +128,7 @@ class ModelRunner:
                                            num_steps=shape.num_steps,
                                            with_logprobs=shape.with_logprobs).lower()
 
-    def _example_args(self, shape: StepShape) -> tuple:
+    def example_args(self, shape: StepShape) -> tuple:
         return self.kv_cache, self.state_leaves, self.empty_inputs(shape)
 
     def _out_tree(self, shape: StepShape):
@@ -351,11 +351,12 @@ class ModelRunner:
                                         shape.with_logprobs))
 
     def _prefetch_next_pages(self, chunks: list[SeqChunk], shape: StepShape):
-        """Once a batch's longest sequence is past half of its page bucket, compiles the
-        program of the next bucket in the background, so that growing into it does not stall
-        the stream (on one process: a multi-host job's followers could not follow)."""
+        """Once a decode batch's longest sequence is past half of its page bucket, compiles
+        the program of the next bucket in the background, so that growing into it does not
+        stall the stream (on one process: a multi-host job's followers could not follow)."""
         P = shape.pages_per_seq
-        if P >= self.max_pages_per_seq or multihost.is_multiprocess():
+        decode = shape.num_tokens == shape.num_seqs
+        if not decode or P >= self.max_pages_per_seq or multihost.is_multiprocess():
             return
         if 2 * max(c.num_cached + len(c.new_tokens) for c in chunks) > P * self.page_size:
             self.steps.prefetch(dataclasses.replace(
