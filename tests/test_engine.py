@@ -417,9 +417,9 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     seconds = llm.warmup(max_len=100, progress=False)
     assert seconds > 0
     steps = llm.runner.steps
-    # seq buckets 1, 2, 4 x page buckets 4, 7 (100 tokens = 7 pages) x 1 or 4 decode steps
-    # + token buckets 16..64
-    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 3 * 2 * 2 + 3
+    # seq buckets 1, 2, 4 x one page bucket (the narrowest, 512 tokens, is wider than the
+    # 7 pages a sequence can have) x 1 or 4 decode steps + token buckets 16..64
+    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 3 * 1 * 2 + 3
     assert steps.num_on_demand == 0
     assert not any(llm.engine.scheduler.pool.ref)
     rng = np.random.default_rng()

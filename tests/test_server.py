@@ -653,11 +653,11 @@ def test_health_answers_during_warmup_and_nothing_compiles_after_ready(qwen3_con
                                                                          tmp_path):
     """A warming-up server answers /health (503, with progress) and generation requests (503,
     Retry-After) instead of refusing connections; once ready, a request whose context grows
-    past several page buckets (64, 128 tokens) runs on programs the warm-up made: no step
+    past several page buckets (512, 1024 tokens) runs on programs the warm-up made: no step
     program is compiled after ready, on demand or otherwise."""
     log = tmp_path / "warm.log"
-    proc = _start(qwen3_converted, log, 64, "--max-num-seqs", "4", "--max-num-batched-tokens",
-                  "64", "--max-model-len", "256", warmup=True,
+    proc = _start(qwen3_converted, log, 128, "--max-num-seqs", "4", "--max-num-batched-tokens",
+                  "64", "--max-model-len", "2048", warmup=True,
                   env={"JAXINFER_EXECUTABLE_CACHE": str(tmp_path / "executables")})
     try:
         deadline = time.monotonic() + 300
@@ -676,12 +676,13 @@ def test_health_answers_during_warmup_and_nothing_compiles_after_ready(qwen3_con
         server = _wait_ready(proc, log, None)
         assert httpx.get(f"{url}/health").json() == {"status": "ready"}
         before = server.metrics()
-        assert before["jaxinfer_step_programs_compiled_total"] == 12  # 3 x 3 decode, 3 prefill
+        # seq buckets 1, 2, 4 x page buckets 512, 1024, 2048 tokens; token buckets 16, 32, 64
+        assert before["jaxinfer_step_programs_compiled_total"] == 12
         prompt = np.random.default_rng().integers(2, VOCAB, 20).tolist()
         out = server.client.completions.create(model=str(qwen3_converted), prompt=prompt,
-                                               max_tokens=200, temperature=0,
+                                               max_tokens=1080, temperature=0,
                                                extra_body={"ignore_eos": True})
-        assert out.usage.completion_tokens == 200  # context 20 -> 220: pages 4 -> 8 -> 16
+        assert out.usage.completion_tokens == 1080  # context 20 -> 1100: 3 page buckets
         after = server.wait_idle()
         assert after["jaxinfer_step_programs_compiled_on_demand_total"] == 0
         assert after["jaxinfer_step_programs_compiled_total"] == 12

@@ -36,6 +36,8 @@ import jax
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_CACHE_GB = 8.0
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class StepShape:
@@ -143,9 +145,9 @@ class CompiledSteps:
 
     def compile_many(self, shapes: Sequence[StepShape],
                      progress: Callable[[int, int], None] | None = None):
-        """Compiles (or loads) every shape, on the thread pool; calls progress(done, total)
-        after each. Raises the first failure."""
-        futures = [self._start(s, background=True)[0] for s in shapes]
+        """Compiles (or loads) every shape (each once), on the thread pool; calls
+        progress(done, total) after each. Raises the first failure."""
+        futures = [self._start(s, background=True)[0] for s in sorted(set(shapes))]
         done = 0
         for f in concurrent.futures.as_completed(futures):
             f.result()
@@ -202,6 +204,7 @@ class CompiledSteps:
                 program = serialize_executable.deserialize_and_load(
                     path.read_bytes(), in_tree, self._out_tree(shape),
                     execution_devices=self._devices)
+                os.utime(path)  # used now: the last to go when the folder is trimmed
                 with self._lock:
                     self.num_loaded += 1
                 return program
@@ -230,5 +233,27 @@ class CompiledSteps:
             except BaseException:
                 os.unlink(tmp)
                 raise
+            trim_cache(path.parent)
         except (OSError, ValueError, NotImplementedError) as e:
             logger.warning("%s: cannot keep the compiled step on disk (%s)", self.name, e)
+
+
+def trim_cache(directory: Path, max_bytes: int | None = None):
+    """Deletes the programs in directory used longest ago (by modification time, which a load
+    renews) until the rest fit max_bytes (default: JAXINFER_EXECUTABLE_CACHE_GB GiB)."""
+    if max_bytes is None:
+        max_bytes = int(float(os.environ.get("JAXINFER_EXECUTABLE_CACHE_GB",
+                                             DEFAULT_MAX_CACHE_GB)) * 2**30)
+    files = []
+    for path in directory.glob("*.jexe"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:  # another process trimmed it
+            continue
+        files.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files):
+        if total <= max_bytes:
+            return
+        path.unlink(missing_ok=True)
+        total -= size

@@ -28,6 +28,13 @@ from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
 from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 
+# The page table's narrowest bucket covers this many tokens: narrower ones were more programs
+# to compile for contexts where the Mosaic attention kernel takes the same configuration
+# anyway (no KV split below 4 KV blocks: 512 tokens at head_dim 128) and the reference's
+# cost is the matmuls' (bench/NOTES.md, Start-up: compiling the step programs: Page buckets
+# from 512 tokens).
+MIN_PAGE_BUCKET_TOKENS = 512
+
 
 def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
     """The smallest power of two >= max(n, minimum), capped at maximum."""
@@ -94,6 +101,7 @@ class ModelRunner:
         self.mesh = mesh or MeshSpec().meshes()[0]
         self.scratch_page = num_pages
         self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.min_page_bucket = max(1, MIN_PAGE_BUCKET_TOKENS // page_size)
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         self.state_leaves, self.state_treedef = jax.tree.flatten(state)
@@ -247,7 +255,7 @@ class ModelRunner:
             assert num_tokens == len(chunks)
         max_pages = max(-(-(c.num_cached + max(len(c.new_tokens), min(num_steps, c.remaining)))
                           // self.page_size) for c in chunks)
-        P = bucket(max_pages, 4, self.max_pages_per_seq)
+        P = bucket(max_pages, self.min_page_bucket, self.max_pages_per_seq)
         penalized = any(c.params is not None and c.params.has_penalties for c in chunks)
         L = bucket(max(len(c.history or ()) for c in chunks), 16) if penalized else 0
         return StepShape(kind, T, S, P, L, num_steps, with_logprobs)
@@ -262,7 +270,7 @@ class ModelRunner:
         a decode batch's next page bucket compiles in the background (`launch`)."""
         ps = self.page_size
         seq_buckets = sorted({bucket(n, 1) for n in range(1, max_num_seqs + 1)})
-        page_buckets = sorted({bucket(n, 4, self.max_pages_per_seq)
+        page_buckets = sorted({bucket(n, self.min_page_bucket, self.max_pages_per_seq)
                                for n in range(1, -(-max_len // ps) + 1)})
         shapes = set()
         for steps in sorted({1, decode_steps}):
@@ -360,7 +368,7 @@ class ModelRunner:
             return
         if 2 * max(c.num_cached + len(c.new_tokens) for c in chunks) > P * self.page_size:
             self.steps.prefetch(dataclasses.replace(
-                shape, pages_per_seq=bucket(P + 1, 4, self.max_pages_per_seq)))
+                shape, pages_per_seq=bucket(P + 1, 1, self.max_pages_per_seq)))
 
     def _run(self, inputs: StepInputs, kind: str, num_steps: int = 1,
              with_logprobs: bool = False):

@@ -1,0 +1,93 @@
+"""`CompiledSteps`: programs made once per shape, kept on disk, found again only by the same
+identity, loaded instead of compiled, counted; the disk cache stays under its bound."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine.compiled_steps import CompiledSteps, StepShape, trim_cache
+
+
+def _steps(identity: str = "toy-v1") -> CompiledSteps:
+    """A toy step: x [T] float32 -> (x * 3 + T, sum of x)."""
+
+    def lower(shape, x):
+        return jax.jit(lambda x: (x * 3 + shape.num_tokens, jnp.sum(x))).trace(x).lower()
+
+    return CompiledSteps("toy", lower, lambda s: (np.zeros(s.num_tokens, np.float32),),
+                         lambda s: jax.tree.structure((0, 0)), identity, jax.devices()[:1],
+                         max_workers=2)
+
+
+def _check(steps: CompiledSteps, shape: StepShape):
+    x = np.random.default_rng().standard_normal(shape.num_tokens).astype(np.float32)
+    y, total = steps.run(shape, x)
+    np.testing.assert_allclose(np.asarray(y), x * 3 + shape.num_tokens, rtol=1e-6)
+    np.testing.assert_allclose(float(total), x.sum(), rtol=1e-5)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXINFER_EXECUTABLE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_programs_are_loaded_by_the_next_instance_not_compiled(cache):
+    shapes = [StepShape("sample", t, 1, 4) for t in (8, 16, 32)]
+    first = _steps()
+    progress = []
+    first.compile_many(shapes + shapes[:1], lambda done, total: progress.append((done, total)))
+    assert (first.num_compiled, first.num_loaded, first.num_on_demand) == (3, 0, 0)
+    assert progress == [(1, 3), (2, 3), (3, 3)] and first.shapes() == sorted(shapes)
+    assert len(list(cache.glob("*.jexe"))) == 3
+    for s in shapes:
+        _check(first, s)
+    assert first.num_on_demand == 0
+
+    second = _steps()  # a new process would do the same: same source, devices, identity
+    for s in shapes:
+        _check(second, s)
+    assert (second.num_compiled, second.num_loaded) == (0, 3)
+    assert second.num_on_demand == 3  # nobody had warmed these up in this instance
+
+    other = _steps("toy-v2")  # another model or setting: its own programs
+    _check(other, shapes[0])
+    assert (other.num_compiled, other.num_loaded) == (1, 0)
+
+
+def test_a_damaged_file_is_compiled_again(cache):
+    shape = StepShape("sample", 8, 1, 4)
+    _steps().compile_many([shape])
+    (path,) = cache.glob("*.jexe")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    again = _steps()
+    _check(again, shape)
+    assert (again.num_compiled, again.num_loaded) == (1, 0)
+
+
+def test_prefetch_compiles_in_the_background(cache, monkeypatch):
+    monkeypatch.setenv("JAXINFER_EXECUTABLE_CACHE", "0")
+    steps = _steps()
+    shape = StepShape("sample", 8, 1, 8)
+    steps.prefetch(shape)
+    assert steps.has(shape)
+    steps._programs[shape].result(timeout=120)  # finished in the background
+    _check(steps, shape)
+    assert (steps.num_compiled, steps.num_on_demand) == (1, 0)
+    assert not list(cache.glob("*.jexe"))
+
+
+def test_trim_cache_drops_the_programs_used_longest_ago(tmp_path):
+    for i, name in enumerate("abcd"):
+        path = tmp_path / f"{name}.jexe"
+        path.write_bytes(os.urandom(1000))
+        os.utime(path, (1000 + i, 1000 + i))
+    os.utime(tmp_path / "a.jexe")  # loaded just now: the newest
+    (tmp_path / "keep.txt").write_bytes(os.urandom(5000))  # not a program
+    trim_cache(tmp_path, max_bytes=2500)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jexe", "d.jexe", "keep.txt"]
