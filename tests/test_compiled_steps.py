@@ -91,3 +91,22 @@ def test_trim_cache_drops_the_programs_used_longest_ago(tmp_path):
     (tmp_path / "keep.txt").write_bytes(os.urandom(5000))  # not a program
     trim_cache(tmp_path, max_bytes=2500)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jexe", "d.jexe", "keep.txt"]
+
+
+def test_a_failed_background_compile_is_tried_again_when_needed(cache):
+    steps = _steps()
+    lower, calls = steps._lower, []
+
+    def flaky(shape, x):  # the first compile fails (e.g. the device ran out of memory)
+        calls.append(shape)
+        if len(calls) == 1:
+            raise RuntimeError("compile failed")
+        return lower(shape, x)
+
+    steps._lower = flaky
+    shape = StepShape("sample", 16, 1, 4)
+    steps.prefetch(shape)
+    with pytest.raises(RuntimeError):
+        steps._programs[shape].result(timeout=120)
+    _check(steps, shape)
+    assert len(calls) == 2 and steps.num_on_demand == 1

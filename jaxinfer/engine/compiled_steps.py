@@ -91,11 +91,16 @@ def executable_cache_dir() -> Path | None:
 
 def _environment() -> str:
     """The versions, devices and settings a compiled program depends on beyond its inputs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        jaxlib = version("jaxlib")
+    except PackageNotFoundError:
+        jaxlib = ""
     devices = jax.devices()
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith(("JAXINFER_", "XLA_", "JAX_", "LIBTPU")))
-    return repr((jax.__version__, jax.lib.__version__ if hasattr(jax.lib, "__version__")
-                 else "", devices[0].client.platform_version,
+    return repr((jax.__version__, jaxlib, devices[0].client.platform_version,
                  [(d.id, d.device_kind) for d in devices], env))
 
 
@@ -136,11 +141,14 @@ class CompiledSteps:
     def run(self, shape: StepShape, *args):
         """Runs shape's program on args (compiling or loading it first if needed)."""
         future, started = self._start(shape, background=False)
+        if not started and future.done() and future.exception() is not None:
+            with self._lock:  # a background compile failed: try again here, and raise
+                self._programs.pop(shape, None)
+            future, started = self._start(shape, background=False)
         if started or not future.done():  # compiled now, or still being compiled: a wait
             with self._lock:
                 self.num_on_demand += 1
-            logger.warning("%s: compiling a step shape that warm-up did not cover: %s",
-                           self.name, shape)
+            logger.info("%s: a step waited for its program: %s", self.name, shape)
         return future.result()(*args)
 
     def compile_many(self, shapes: Sequence[StepShape],
