@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -188,8 +189,7 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None
                ) -> Iterator[str]:
         """Returns an iterator of text deltas for one prompt (the prompt is checked now)."""
-        req = self.engine.add_request(self._prompt_ids(prompt), params or SamplingParams())
-        return self._stream(req)
+        return self._texts(self.stream_request(prompt, params)[1])
 
     def stream_request(self, prompt: str | list[int], params: SamplingParams | None = None
                        ) -> tuple[Request, Iterator[RequestDelta]]:
@@ -210,14 +210,12 @@ class LLM:
 
         return req, deltas()
 
-    def _stream(self, req: Request) -> Iterator[str]:
-        try:
-            while not req.finished:
-                for delta in self.engine.step():
-                    if delta.request is req and delta.text:
-                        yield delta.text
-        finally:
-            self.engine.abort(req)
+    @staticmethod
+    def _texts(deltas: Iterator[RequestDelta]) -> Iterator[str]:
+        with contextlib.closing(deltas):  # closing the texts aborts the request
+            for delta in deltas:
+                if delta.text:
+                    yield delta.text
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of messages rendered with the checkpoint's chat template."""
