@@ -19,7 +19,7 @@ import click
 
 from jaxinfer.cli.bench import bench as _bench_group
 from jaxinfer.cli.chat import COMMANDS, ChatHistory, read_lines, run_chat
-from jaxinfer.cli.parallel import join_job, parallel_options
+from jaxinfer.cli.parallel import join_job, parallel_options, scan_layers_option
 from jaxinfer.cli.plan import plan as _plan_command
 from jaxinfer.cli.serve import serve as _serve_command
 from jaxinfer.engine.request import MAX_LOGPROBS, Request, SamplingParams, TokenLogprob
@@ -89,6 +89,7 @@ class ModelChoice:
     kv_cache_gb: float
     page_size: int
     decode_steps: int
+    scan_layers: bool | None
     mesh: str | None
     coordinator: str | None
     num_processes: int | None
@@ -101,7 +102,8 @@ class ModelChoice:
     def load(self) -> LLM:
         return LLM(self.path, dtype=self.dtype, kv_cache_bytes=int(self.kv_cache_gb * 2**30),
                    max_model_len=self.max_model_len, page_size=self.page_size,
-                   decode_steps=self.decode_steps, mesh=self.mesh)
+                   decode_steps=self.decode_steps, mesh=self.mesh,
+                   scan_layers=self.scan_layers)
 
 
 # The memory / engine options keep `jaxinfer serve`'s names and help texts.
@@ -121,6 +123,7 @@ model_options = _packed([
                  help="Tokens per KV-cache page (prefix caching shares whole pages)."),
     click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
                  help="Decode steps per engine step (more: fewer host round trips)."),
+    scan_layers_option,
     parallel_options,
 ], "model", ModelChoice)
 

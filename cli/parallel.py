@@ -1,4 +1,4 @@
-"""The options every model-running command shares for meshes and multi-host jobs."""
+"""The options every model-running command shares: meshes, multi-host jobs, scanned layers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ import jax.numpy as jnp
 from jaxinfer.engine import multihost
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.sharding import MeshSpec
+
+scan_layers_option = click.option(
+    "--scan-layers/--no-scan-layers", default=None,
+    help="Run the layers as a scan over stacked weights: step programs compile in half the "
+         "time or less, decode runs slower (default: off; env JAXINFER_SCAN_LAYERS=1).")
 
 
 def parallel_options(fn):

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 import jax
 
-from jaxinfer.cli.parallel import join_job, parallel_options, random_or_path
+from jaxinfer.cli.parallel import join_job, parallel_options, random_or_path, scan_layers_option
 from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM
 
@@ -70,10 +70,11 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
               help="Tokens per KV-cache page (prefix caching shares whole pages).")
 @click.option("--no-warmup", is_flag=True, help="Skip compiling the step buckets at start.")
+@scan_layers_option
 @parallel_options
 def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max_num_seqs,
           max_num_batched_tokens, kv_cache_gb, max_model_len, decode_steps, page_size, no_warmup,
-          mesh, coordinator, num_processes, process_id):
+          scan_layers, mesh, coordinator, num_processes, process_id):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
     start = time.perf_counter() - (_seconds_since_process_start() or 0.0)
@@ -98,7 +99,7 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
     llm = LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
-              page_size=page_size, mesh=mesh)
+              page_size=page_size, mesh=mesh, scan_layers=scan_layers)
     if not leader:  # runs process 0's steps until it exits
         llm.follow()
         return

@@ -20,6 +20,7 @@ from jaxinfer.loading.checkpoint import is_converted, load_model, open_source, s
 from jaxinfer.loading.default_model import cache_dir, default_model_path
 from jaxinfer.loading.tokenizer import Tokenizer
 from jaxinfer.models import Decoder
+from jaxinfer.models.decoder import scan_layers as scan_layers_of
 from jaxinfer.sharding import MeshSpec
 
 MAX_PAGE_SIZE = 64  # the Mosaic attention kernel's smallest KV block (head_dim > 128)
@@ -45,6 +46,14 @@ def enable_compilation_cache():
     jax.config.update("jax_compilation_cache_dir", setting or str(cache_dir() / "xla"))
 
 
+def default_scan_layers() -> bool:
+    """Whether `LLM(scan_layers=None)` scans the layers: JAXINFER_SCAN_LAYERS=1 / 0, off when
+    unset. Why off: a scanned step compiles in half the time or less, but XLA copies each
+    layer's slice of the stacked weights before its products, which costs decode speed on
+    the CPU and the GPU alike (bench/NOTES.md, Start-up: compiling the step programs)."""
+    return os.environ.get("JAXINFER_SCAN_LAYERS", "0") not in ("", "0")
+
+
 class LLM:
     """Loads a model (converted dir, HF dir or .gguf; None = the embedded SmolLM2) and generates.
 
@@ -64,10 +73,12 @@ class LLM:
                  page_size: int = 16, kv_cache_bytes: int = 1 << 30,
                  max_model_len: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, decode_steps: int = 1,
-                 mesh: str | MeshSpec | None = None):
+                 mesh: str | MeshSpec | None = None, scan_layers: bool | None = None):
         """`mesh` (e.g. "tp=2" or "tp=2,dp=2", see `jaxinfer.sharding`) splits the model over
         that many devices (all processes' devices, multi-host); kv_cache_bytes is per replica
-        and counts every device's share."""
+        and counts every device's share. `scan_layers` runs the layers as a scan over
+        stacked weights (`jaxinfer.models.decoder.scan_layers`): each step program compiles
+        one group of layers instead of all of them (None: `default_scan_layers()`)."""
         if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
             raise JaxinferError(f"page_size {page_size}: a power of two up to {MAX_PAGE_SIZE} "
                                 "required (the attention kernels' KV blocks hold whole pages)")
@@ -102,6 +113,9 @@ class LLM:
                                  num_pages * page_size)
         # dp replicas: copies of replica 0's weights, each on its own mesh.
         models = [self.model] + [shard_model(self.model, m) for m in meshes[1:]]
+        if default_scan_layers() if scan_layers is None else scan_layers:
+            for model_i in models:
+                scan_layers_of(model_i)
         engines = []
         for model_i, replica_mesh in zip(models, meshes, strict=True):
             runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,

@@ -73,7 +73,7 @@ class DecodeLoopState(NamedTuple):
     without logprobs), V the vocabulary."""
 
     i: jax.Array  # int32 scalar: steps run so far
-    kv_cache: list  # per layer (k, v) pages [num_pages + 1, page_size, kv_heads, head_dim]
+    kv_cache: list  # per pool (k, v) pages [layers * (num_pages + 1), page_size, Hkv, D]
     last: jax.Array  # [S] int32: each sequence's latest token, the next step's input
     done: jax.Array  # [S] bool: finished (EOS, remaining budget, or padding)
     md: AttentionMetadata  # kv_lens grow by one per live step; done rows use the scratch page
@@ -107,12 +107,16 @@ class ModelRunner:
         self.state_leaves, self.state_treedef = jax.tree.flatten(state)
         self.eos_token_ids = tuple(c.eos_token_ids)
         dtype = model.embed.embedding.dtype
-        shape = (num_pages + 1, page_size, c.num_kv_heads, c.head_dim)
+        # One (k, v) pair per pool, each holding `per_pool` layers' num_pages + 1 pages
+        # (`Decoder.kv_cache_pools`: a pool a layer, or one a position of a scanned group).
+        pools, self.layers_per_pool = model.kv_cache_pools
+        shape = (self.layers_per_pool * (num_pages + 1), page_size, c.num_kv_heads,
+                 c.head_dim)
         # Committed to its devices like the step's outputs: an uncommitted first cache would
         # make the first call of each bucket compile a second time once the cache comes back.
         kv_sharding = NamedSharding(self.mesh, logical_to_mesh(KV_PAGES_AXES, shape, self.mesh))
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
-        self.kv_cache = [(zeros(), zeros()) for _ in range(c.num_layers)]
+        self.kv_cache = [(zeros(), zeros()) for _ in range(pools)]
         # Outputs replicated, so every process (multi-host) can read them.
         jit = dict(donate_argnums=(0,), out_shardings=(NamedSharding(self.mesh, P()),
                                                        kv_sharding),
@@ -184,7 +188,8 @@ class ModelRunner:
         # the model. The page slots the loop will write are zeroed once, here, not by every
         # step's write.
         kv_cache = zero_decode_slots(kv_cache, inputs.md,
-                                     jnp.minimum(inputs.remaining, num_steps), num_steps)
+                                     jnp.minimum(inputs.remaining, num_steps), num_steps,
+                                     self.layers_per_pool)
         md = dataclasses.replace(inputs.md, zero_tails=False)
         live = rows < inputs.md.num_seqs[0]
         eos = jnp.asarray(self.eos_token_ids or (-2,), jnp.int32)

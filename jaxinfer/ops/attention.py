@@ -221,34 +221,43 @@ def zero_page_tails(k_pages, v_pages, md: AttentionMetadata):
     return zero_slots(k_pages, v_pages, md, md.kv_lens, -(-md.kv_lens // ps) * ps, ps)
 
 
-def zero_slots(k_pages, v_pages, md: AttentionMetadata, start, end, width: int):
+def zero_slots(k_pages, v_pages, md: AttentionMetadata, start, end, width: int,
+               layers: int = 1):
     """Zeroes cache positions start[s] <= pos < end[s] ([S] int32, end - start <= width) of
-    each live sequence s, in its pages."""
+    each live sequence s, in its pages; in each of `layers` layers' pages when the arrays
+    hold that many layers (`zero_decode_slots`)."""
     S, ps = md.kv_lens.shape[0], k_pages.shape[1]
     pos = start[:, None] + jnp.arange(width)[None, :]  # [S, width]
     live = (jnp.arange(S) < md.num_seqs[0])[:, None] & (pos < end[:, None]) & (pos >= 0)
     col = jnp.clip(pos // ps, 0, md.page_indices.shape[1] - 1)
     page = jnp.take_along_axis(md.page_indices, col, axis=1)
-    page = jnp.where(live, page, k_pages.shape[0])  # out of range: dropped
     slot = pos % ps
+    if layers > 1:  # [layers, S, width]: layer l's pages start at l * (pages of a layer)
+        offsets = jnp.arange(layers, dtype=page.dtype) * (k_pages.shape[0] // layers)
+        page = page[None] + offsets[:, None, None]
+        live, slot = (jnp.broadcast_to(a, page.shape) for a in (live, slot))
+    page = jnp.where(live, page, k_pages.shape[0])  # out of range: dropped
     zeros = jnp.zeros(page.shape + k_pages.shape[2:], k_pages.dtype)
     k_pages = k_pages.at[page, slot].set(zeros, mode="drop")
     v_pages = v_pages.at[page, slot].set(zeros, mode="drop")
     return k_pages, v_pages
 
 
-def zero_decode_slots(kv_cache: list, md: AttentionMetadata, num_tokens, max_tokens: int):
+def zero_decode_slots(kv_cache: list, md: AttentionMetadata, num_tokens, max_tokens: int,
+                      layers_per_pool: int = 1):
     """Before a multi-step decode batch (one new token per sequence, at kv_len - 1): zeroes,
     in every layer's pages, each sequence's slots from that token to the end of the page its
     num_tokens[s]-th token lands in ([S] int32, <= max_tokens), so the steps' own writes skip
-    the zeroing (md.zero_tails = False). Why: two scatters per layer per decode loop instead
-    of per step. The pages are the ones the loop writes, so none is shared (prefix cache)."""
+    the zeroing (md.zero_tails = False). Why: two scatters per pool per decode loop instead
+    of per layer and step. The pages are the ones the loop writes, so none is shared (prefix
+    cache). A pool holding `layers_per_pool` layers (`Decoder.kv_cache_pools`) has each
+    layer's pages after the one before, at offsets of shape[0] / layers_per_pool."""
     ps = kv_cache[0][0].shape[1]
     start = md.kv_lens - 1
     end = -(-(start + num_tokens) // ps) * ps
 
     def local(k_pages, v_pages, md, start, end):
-        return zero_slots(k_pages, v_pages, md, start, end, ps + max_tokens)
+        return zero_slots(k_pages, v_pages, md, start, end, ps + max_tokens, layers_per_pool)
 
     return [shard_map_logical(local, (KV_PAGES_AXES, KV_PAGES_AXES, P(), P(), P()),
                               (KV_PAGES_AXES, KV_PAGES_AXES), k_pages, v_pages, md, start, end)
