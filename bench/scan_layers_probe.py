@@ -1,11 +1,13 @@
 """Probe: does running the layers as a lax.scan over stacked weights cost decode speed?
 
 L layers of h = linear(h, W_l) (W_l [N, N] bf16, or int8) chained, timed with one array per
-layer (unrolled, as the decoder runs today) and with one stacked [L, N, N] array (scanned),
-for the linear implementations a step uses: one_row_reduce (bf16, one row), XLA's dot (bf16,
-16 and 512 rows) and the Mosaic kernel (int8, one row). Prints the median ms per call.
-    python bench/scan_layers_probe.py   (with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
-    for XLA's in-place slices of custom-call operands)
+layer (unrolled), with one stacked [L, N, N] array (scanned), and unrolled over the stacked
+array (static slices), for the linear implementations a step uses: one_row_reduce (bf16, one
+row), XLA's dot (bf16, 16 to 512 rows) and the Mosaic kernel (int8, one row); then L layers
+of batch-1 decode attention, one page array pair per layer against one pool carried through
+the scan (`pool_probe`). Prints the median ms per call.
+    python bench/scan_layers_probe.py   (PROBE_N=256 for a small run; XLA_FLAGS=
+    --xla_gpu_enable_dynamic_slice_fusion=true for in-place slices of custom-call operands)
 """
 
 import functools

@@ -278,7 +278,9 @@ def test_memory_flags_reach_the_llm(monkeypatch):
     monkeypatch.setattr(main, "LLM", load)
     result = CliRunner().invoke(cli, ["chat", "--model", "somewhere", "--kv-cache-gb", "0.5",
                                       "--page-size", "32", "--decode-steps", "4",
-                                      "--max-model-len", "512", "--dtype", "float32"])
+                                      "--max-model-len", "512", "--dtype", "float32",
+                                      "--scan-layers"])
     assert error_line(result) == "Error: not loaded"
     assert built == dict(path="somewhere", dtype="float32", kv_cache_bytes=2**29,
-                         max_model_len=512, page_size=32, decode_steps=4, mesh=None)
+                         max_model_len=512, page_size=32, decode_steps=4, mesh=None,
+                         scan_layers=True)
