@@ -14,7 +14,7 @@ import jax
 from jaxinfer.engine import multihost
 from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine
 from jaxinfer.engine.request import Request, RequestDelta, SamplingParams, TokenLogprob
-from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.checkpoint import is_converted, load_model, open_source, shard_model
 from jaxinfer.loading.default_model import cache_dir, default_model_path
@@ -119,7 +119,7 @@ class LLM:
         engines = []
         for model_i, replica_mesh in zip(models, meshes, strict=True):
             runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,
-                                 replica_mesh)
+                                 replica_mesh, max_num_seqs)
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
                                   max_num_batched_tokens, self.tokenizer, decode_steps))
         self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
@@ -128,13 +128,14 @@ class LLM:
                on_progress: Callable[[int, int], None] | None = None) -> float:
         """Compiles (or loads from the executable cache) the programs of
         `ModelRunner.warmup_shapes` for contexts up to max_len tokens (default:
-        max_model_len, capped at 2048), on a thread pool; a tqdm bar if progress, and
-        on_progress(done, total) after each program. Returns the seconds it took."""
+        max_model_len, capped at WARMUP_CONTEXT: 2048), on a thread pool; a tqdm bar if
+        progress, and on_progress(done, total) after each program. Returns the seconds it
+        took."""
         from tqdm import tqdm
 
         start = time.perf_counter()
         e = self.engine
-        max_len = min(max_len or min(self.max_model_len, 2048), self.max_model_len)
+        max_len = min(max_len or min(self.max_model_len, WARMUP_CONTEXT), self.max_model_len)
         plans = [(r, r.warmup_shapes(e.max_num_seqs, e.max_num_batched_tokens, e.decode_steps,
                                      max_len)) for r in e.runners]
         total = sum(len(shapes) for _, shapes in plans)

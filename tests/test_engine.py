@@ -25,7 +25,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.engine import Engine, EngineInterface, EngineStats, ReplicatedEngine
 from jaxinfer.engine.kv_pages import PagePool, page_hash, page_hashes
-from jaxinfer.engine.runner import ModelRunner, StepOutput
+from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner, StepOutput
 from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.loading.presets import preset_config, random_model
 
@@ -417,17 +417,18 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     seconds = llm.warmup(max_len=100, progress=False)
     assert seconds > 0
     steps = llm.runner.steps
-    # seq buckets 1, 2, 4 x one page bucket (the narrowest, 512 tokens, is wider than the
-    # 7 pages a sequence can have) x 1 or 4 decode steps + token buckets 16..64
-    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 3 * 1 * 2 + 3
+    # Decode: seq buckets 1, 2, 4 x one page bucket (the narrowest, 512 tokens, is wider
+    # than the 7 pages a sequence can have) x 1 or 4 decode steps; prefill: token buckets
+    # 16..64 x one sequence or four (padded).
+    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 3 * 1 * 2 + 3 * 2
     assert steps.num_on_demand == 0
     assert not any(llm.engine.scheduler.pool.ref)
     rng = np.random.default_rng()
-    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (10, 40, 3)]
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (10, 40, 3, 30)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    # Prefills of 16..64 tokens, then decodes of 3, 2 and 1 sequences: nothing new compiled
-    # except the mixed prefill+decode batches the scheduler formed.
-    assert steps.num_on_demand <= 2
+    # Batched and chunked prefills (83 tokens against 64), prompts beside decodes, then
+    # decodes of 4..1 sequences: nothing compiled on demand.
+    assert steps.num_on_demand == 0
 
 
 def test_decode_batches_pad_tokens_to_the_sequence_bucket():
@@ -446,6 +447,29 @@ def test_decode_batches_pad_tokens_to_the_sequence_bucket():
               SeqChunk(new_tokens=[7], num_cached=3, pages=[1])]
     prefill = runner.prepare(chunks, runner.step_shape(chunks))
     assert prefill.token_ids.shape == (16,) and prefill.md.kv_lens.shape == (2,)
+
+
+def test_batches_that_prefill_pad_to_max_num_seqs_and_the_warmup_page_table():
+    """A batch that prefills runs one of few programs: one sequence, or several padded to
+    the engine's max_num_seqs, with a page table of at least WARMUP_CONTEXT tokens; decode
+    batches keep their own buckets."""
+    model = random_model(preset_config("tiny"), jnp.float32)
+    runner = ModelRunner(model, num_pages=64, page_size=PAGE, max_model_len=256 * PAGE,
+                         max_num_seqs=5)
+
+    def buckets(chunks):
+        shape = runner.step_shape(chunks)
+        return shape.num_seqs, shape.pages_per_seq
+
+    table = WARMUP_CONTEXT // PAGE
+    one = [SeqChunk(new_tokens=[5] * 20, num_cached=0, pages=[0, 1])]
+    assert buckets(one) == (1, table)
+    mixed = one + [SeqChunk(new_tokens=[7], num_cached=30, pages=[2, 3])]
+    assert buckets(mixed) == (8, table)
+    long = [SeqChunk(new_tokens=[5] * 16, num_cached=150 * PAGE, pages=[])] * 2
+    assert buckets(long) == (8, 256)  # past the warm-up's table: its own page bucket
+    decode = [SeqChunk(new_tokens=[7], num_cached=30, pages=[2, 3])] * 3
+    assert buckets(decode) == (4, runner.min_page_bucket)
 
 
 @pytest.mark.gpu

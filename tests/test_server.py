@@ -653,7 +653,8 @@ def test_health_answers_during_warmup_and_nothing_compiles_after_ready(qwen3_con
                                                                          tmp_path):
     """A warming-up server answers /health (503, with progress) and generation requests (503,
     Retry-After) instead of refusing connections; once ready, a request whose context grows
-    past several page buckets (512, 1024 tokens) runs on programs the warm-up made: no step
+    past several page buckets (512, 1024 tokens), then prompts sent together (batched
+    prefills, prompts beside decodes, chunked) run on programs the warm-up made: no step
     program is compiled after ready, on demand or otherwise."""
     log = tmp_path / "warm.log"
     proc = _start(qwen3_converted, log, 128, "--max-num-seqs", "4", "--max-num-batched-tokens",
@@ -676,16 +677,29 @@ def test_health_answers_during_warmup_and_nothing_compiles_after_ready(qwen3_con
         server = _wait_ready(proc, log, None)
         assert httpx.get(f"{url}/health").json() == {"status": "ready"}
         before = server.metrics()
-        # seq buckets 1, 2, 4 x page buckets 512, 1024, 2048 tokens; token buckets 16, 32, 64
-        assert before["jaxinfer_step_programs_compiled_total"] == 12
-        prompt = np.random.default_rng().integers(2, VOCAB, 20).tolist()
+        # Decode: sequence buckets 1, 2, 4 x page buckets 512, 1024, 2048 tokens; prefill:
+        # token buckets 16, 32, 64 x one sequence or four, at the 2048-token page table.
+        assert before["jaxinfer_step_programs_compiled_total"] == 15
+        rng = np.random.default_rng()
+        prompt = rng.integers(2, VOCAB, 20).tolist()
         out = server.client.completions.create(model=str(qwen3_converted), prompt=prompt,
                                                max_tokens=1080, temperature=0,
                                                extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 1080  # context 20 -> 1100: 3 page buckets
+
+        def complete(n):
+            return server.client.completions.create(
+                model=str(qwen3_converted), prompt=rng.integers(2, VOCAB, n).tolist(),
+                max_tokens=24, temperature=0.7, extra_body={"ignore_eos": True})
+
+        # 85 prompt tokens against a 64-token budget: prefills batched, chunked, and beside
+        # the others' decodes.
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(complete, [25, 50, 10]))
+        assert [o.usage.completion_tokens for o in outs] == [24, 24, 24]
         after = server.wait_idle()
         assert after["jaxinfer_step_programs_compiled_on_demand_total"] == 0
-        assert after["jaxinfer_step_programs_compiled_total"] == 12
+        assert after["jaxinfer_step_programs_compiled_total"] == 15
     finally:
         proc.terminate()
         proc.wait(30)

@@ -35,6 +35,10 @@ from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 # from 512 tokens).
 MIN_PAGE_BUCKET_TOKENS = 512
 
+# The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page table
+# a batch that prefills takes (`ModelRunner.step_shape`).
+WARMUP_CONTEXT = 2048
+
 
 def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
     """The smallest power of two >= max(n, minimum), capped at maximum."""
@@ -92,16 +96,21 @@ class ModelRunner:
     page that sequences finished in the middle of a multi-step decode write into."""
 
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, max_num_seqs: int | None = None):
         """`mesh`: the one the model's parameters were placed on (`jaxinfer.sharding`);
         the KV cache is split over its KV heads like the k/v projections. The model runs as
-        it comes, built by the loader (`jaxinfer.models.inference_form`)."""
+        it comes, built by the loader (`jaxinfer.models.inference_form`). `max_num_seqs`:
+        the engine's, to which a batch of several sequences that prefills pads
+        (`step_shape`); None: such batches pad to their own sequence bucket."""
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
         self.mesh = mesh or MeshSpec().meshes()[0]
         self.scratch_page = num_pages
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.min_page_bucket = max(1, MIN_PAGE_BUCKET_TOKENS // page_size)
+        self.prefill_num_seqs = None if max_num_seqs is None else bucket(max_num_seqs, 1)
+        self.prefill_min_pages = bucket(-(-min(WARMUP_CONTEXT, max_model_len) // page_size),
+                                        self.min_page_bucket, self.max_pages_per_seq)
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         self.state_leaves, self.state_treedef = jax.tree.flatten(state)
@@ -251,16 +260,25 @@ class ModelRunner:
         s's) sizes the page table for the min(num_steps, remaining) tokens each will write.
         """
         num_tokens = sum(len(c.new_tokens) for c in chunks)
+        decode = num_tokens == len(chunks)
         S = bucket(len(chunks), 1)
         # A decode batch (one token per sequence) pads its tokens only to S: the attention
         # kernel and every tensor-parallel all-reduce then carry one row per sequence, not
         # 16 (at batch 1 this halved the attention kernel's time). Prefills pad to >= 16.
-        T = S if num_tokens == len(chunks) else bucket(num_tokens, 16)
+        T = S if decode else bucket(num_tokens, 16)
         if num_steps > 1:
-            assert num_tokens == len(chunks)
+            assert decode
         max_pages = max(-(-(c.num_cached + max(len(c.new_tokens), min(num_steps, c.remaining)))
                           // self.page_size) for c in chunks)
         P = bucket(max_pages, self.min_page_bucket, self.max_pages_per_seq)
+        if not decode:
+            # A batch that prefills takes one of a few programs, all in the warm-up: one
+            # sequence, or several padded to max_num_seqs (prompts arriving together, or a
+            # prompt beside decodes), with a page table of at least WARMUP_CONTEXT tokens.
+            # Per sequence and page bucket these were too many programs to compile ahead.
+            if len(chunks) > 1 and self.prefill_num_seqs is not None:
+                S = self.prefill_num_seqs
+            P = max(P, self.prefill_min_pages)
         penalized = any(c.params is not None and c.params.has_penalties for c in chunks)
         L = bucket(max(len(c.history or ()) for c in chunks), 16) if penalized else 0
         return StepShape(kind, T, S, P, L, num_steps, with_logprobs)
@@ -269,10 +287,11 @@ class ModelRunner:
                       decode_steps: int, max_len: int) -> list[StepShape]:
         """The programs a server compiles before it is ready: decode batches of every
         sequence bucket at every page bucket up to max_len tokens of context (one step, and
-        decode_steps steps), and one-sequence prefill chunks of every token bucket. Built
-        with `step_shape`, so they are the shapes those batches will ask for. Batches of
-        other kinds (prefill mixed with decodes, logprobs, penalties) compile on first use;
-        a decode batch's next page bucket compiles in the background (`launch`)."""
+        decode_steps steps), and batches that prefill, of every token bucket at every page
+        bucket up to max_len, with one sequence and with several (a prompt beside decodes).
+        Built with `step_shape`, so they are the shapes those batches will ask for. Batches
+        with logprobs or penalties compile on first use; a decode batch's next page bucket
+        compiles in the background (`launch`)."""
         ps = self.page_size
         seq_buckets = sorted({bucket(n, 1) for n in range(1, max_num_seqs + 1)})
         page_buckets = sorted({bucket(n, self.min_page_bucket, self.max_pages_per_seq)
@@ -285,8 +304,14 @@ class ModelRunner:
                     chunks = [SeqChunk(new_tokens=[0], num_cached=context, pages=[],
                                        remaining=steps)] * s
                     shapes.add(self.step_shape(chunks, steps))
-        for t in sorted({bucket(n, 16) for n in range(1, max_num_batched_tokens + 1)}):
-            shapes.add(self.step_shape([SeqChunk(new_tokens=[0] * t, num_cached=0, pages=[])]))
+        for t in sorted({bucket(n, 16) for n in range(2, max_num_batched_tokens + 1)}):
+            for p in page_buckets:
+                context = max(p * ps - t, 0)
+                prefill = SeqChunk(new_tokens=[0] * (t - 1), num_cached=context, pages=[])
+                shapes.add(self.step_shape([dataclasses.replace(prefill, new_tokens=[0] * t)]))
+                if max_num_seqs > 1:  # with a decode beside it
+                    shapes.add(self.step_shape(
+                        [prefill, SeqChunk(new_tokens=[0], num_cached=0, pages=[])]))
         return sorted(shapes)
 
     def empty_inputs(self, shape: StepShape) -> StepInputs:
