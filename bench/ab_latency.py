@@ -6,9 +6,10 @@
 DIR is a site directory holding one build (e.g. `pip install --target DIR jaxinfer-*.whl`);
 each ARGS is one `jaxinfer bench latency` argument list (e.g. `--preset llama3-8b --batch 1
 --decode-steps 32`). For each ARGS the two builds run in turn, A B A B ... for --rounds
-rounds, each in a fresh process; the table gives each build's per-token decode time (the
-median of its runs' medians), the B / A ratio and every run's figure, so that run-to-run
-spread can be set against the difference. Use it to check that a change moves no figure.
+rounds, each in a fresh process; the table gives each build's per-token decode time and
+time to first token (the median of its runs' medians), the B / A ratios and every run's
+decode figure, so that run-to-run spread can be set against the difference. Use it to
+check that a change moves no figure.
 """
 
 from __future__ import annotations
@@ -53,19 +54,23 @@ def main():
     groups.append(current)
     out = Path(opts.out)
     lines = ["| bench latency args | A itl ms (median) | B itl ms (median) | B / A | A runs | "
-             "B runs |", "| --- | --- | --- | --- | --- | --- |"]
+             "B runs | A TTFT ms | B TTFT ms | B / A |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for g, args in enumerate(groups):
-        runs = {"a": [], "b": []}
+        runs, ttft = {"a": [], "b": []}, {"a": [], "b": []}
         for r in range(opts.rounds):
             for name in ("a", "b"):
                 res = run_once(getattr(opts, name), args, out / f"ab_{g}_{r}_{name}.json")
                 runs[name].append(res["itl_ms"])
-                print(f"{' '.join(args)} round {r} {name.upper()}: {res['itl_ms']:.3f} ms",
-                      flush=True)
+                ttft[name].append(res["ttft_ms"])
+                print(f"{' '.join(args)} round {r} {name.upper()}: {res['itl_ms']:.3f} ms, "
+                      f"TTFT {res['ttft_ms']:.1f} ms", flush=True)
         a, b = statistics.median(runs["a"]), statistics.median(runs["b"])
+        ta, tb = statistics.median(ttft["a"]), statistics.median(ttft["b"])
         lines.append(f"| `{' '.join(args)}` | {a:.3f} | {b:.3f} | {b / a:.3f} | "
                      f"{', '.join(f'{x:.3f}' for x in runs['a'])} | "
-                     f"{', '.join(f'{x:.3f}' for x in runs['b'])} |")
+                     f"{', '.join(f'{x:.3f}' for x in runs['b'])} | {ta:.1f} | {tb:.1f} | "
+                     f"{tb / ta:.3f} |")
     print("\n".join(lines))
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from attention_cases import CASES, Case, build, expected_pages, oracle
 
+import jaxinfer.ops.attention_by_sequence as attention_by_sequence
 import jaxinfer.ops.attention_registry as attention_registry
 import jaxinfer.ops.platform as platform_module
 from jaxinfer.mosaic import ragged_paged_attention as mosaic
@@ -65,8 +66,12 @@ BACKENDS = [backend for name in REGISTRY.names for backend in (
     (name, "cpu"), *([] if name == "pallas_tpu" else [pytest.param(name, "gpu", marks=gpu)]))]
 
 
+# The implementations in XLA (every dtype); the kernels run on tensor cores (bf16 / fp16 q).
+XLA_IMPLEMENTATIONS = ("by_sequence", "reference")
+
+
 def check_against_oracle(case: Case, implementation: str, platform: str):
-    if implementation != "reference" and case.dtype == "float32":
+    if implementation not in XLA_IMPLEMENTATIONS and case.dtype == "float32":
         case = dataclasses.replace(case, dtype="bfloat16")
     b = build(case)
     # Full float32 matmuls on GPUs too (their default is TF32 for float32 dots).
@@ -97,6 +102,15 @@ def check_against_oracle(case: Case, implementation: str, platform: str):
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_oracle(name, implementation, platform):
     check_against_oracle(CASES[name], implementation, platform)
+
+
+@pytest.mark.parametrize("row_block", [1, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_by_sequence_row_blocks_match_oracle(name, row_block, monkeypatch):
+    """The XLA implementation with other query row blocks than its programs' (1 row; 3 rows,
+    whose blocks straddle sequences and the batch's end), against the oracle."""
+    monkeypatch.setattr(attention_by_sequence, "ROW_BLOCK", row_block)
+    check_against_oracle(CASES[name], "by_sequence", "cpu")
 
 
 def test_oracle_sees_history_and_masking():
@@ -322,7 +336,7 @@ def test_call_description():
 # one-token step with head_dim 192 (not a power of two: the Pallas GPU kernel refuses it,
 # the Mosaic kernel takes it).
 PICKS = {
-    "cpu": ("reference",) * 5,
+    "cpu": ("by_sequence",) * 5,
     "gpu": ("reference",) * 5,
     "tpu": ("pallas_tpu",) * 5,
     "hopper": ("pallas_gpu", "mosaic_gpu", "reference", "pallas_gpu", "mosaic_gpu"),

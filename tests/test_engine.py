@@ -417,10 +417,9 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     seconds = llm.warmup(max_len=100, progress=False)
     assert seconds > 0
     steps = llm.runner.steps
-    # Decode: seq buckets 1, 2, 4 x one page bucket (the narrowest, 512 tokens, is wider
-    # than the 7 pages a sequence can have) x 1 or 4 decode steps; prefill: token buckets
-    # 16..64 x one sequence or four (padded).
-    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 3 * 1 * 2 + 3 * 2
+    # One page bucket (the narrowest is wider than the 7 pages a sequence can have): token
+    # buckets 1..64, and the 4-step decodes of 1, 2 and 4 sequences.
+    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 7 + 3
     assert steps.num_on_demand == 0
     assert not any(llm.engine.scheduler.pool.ref)
     rng = np.random.default_rng()
@@ -431,9 +430,11 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     assert steps.num_on_demand == 0
 
 
-def test_decode_batches_pad_tokens_to_the_sequence_bucket():
-    """A decode batch (one token per sequence) pads to T = S tokens (one all-reduce row per
-    sequence under tensor parallelism); anything else pads to >= 16 tokens."""
+def test_a_batch_runs_the_program_of_its_token_bucket():
+    """A batch pads its tokens to a power of two T, its sequence slots to min(T, the
+    bucket of max_num_seqs (or, without one, of its own sequences)), its page table to at
+    least WARMUP_CONTEXT tokens: prompts, decodes and mixes of one token bucket share one
+    program."""
     runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=8,
                          page_size=PAGE, max_model_len=8 * PAGE)
     chunks = [SeqChunk(new_tokens=[5], num_cached=10 + i, pages=[i]) for i in range(3)]
@@ -446,30 +447,27 @@ def test_decode_batches_pad_tokens_to_the_sequence_bucket():
     chunks = [SeqChunk(new_tokens=[5, 6], num_cached=0, pages=[0]),
               SeqChunk(new_tokens=[7], num_cached=3, pages=[1])]
     prefill = runner.prepare(chunks, runner.step_shape(chunks))
-    assert prefill.token_ids.shape == (16,) and prefill.md.kv_lens.shape == (2,)
+    assert prefill.token_ids.shape == (4,) and prefill.md.kv_lens.shape == (2,)
+    assert list(prefill.token_ids) == [5, 6, 7, 0] and list(prefill.positions) == [0, 1, 3, 0]
 
-
-def test_batches_that_prefill_pad_to_max_num_seqs_and_the_warmup_page_table():
-    """A batch that prefills runs one of few programs: one sequence, or several padded to
-    the engine's max_num_seqs, with a page table of at least WARMUP_CONTEXT tokens; decode
-    batches keep their own buckets."""
-    model = random_model(preset_config("tiny"), jnp.float32)
-    runner = ModelRunner(model, num_pages=64, page_size=PAGE, max_model_len=256 * PAGE,
-                         max_num_seqs=5)
+    runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=64,
+                         page_size=PAGE, max_model_len=256 * PAGE, max_num_seqs=5)
 
     def buckets(chunks):
         shape = runner.step_shape(chunks)
-        return shape.num_seqs, shape.pages_per_seq
+        return shape.num_tokens, shape.num_seqs, shape.pages_per_seq
 
     table = WARMUP_CONTEXT // PAGE
+    assert runner.min_page_bucket == table
     one = [SeqChunk(new_tokens=[5] * 20, num_cached=0, pages=[0, 1])]
-    assert buckets(one) == (1, table)
+    assert buckets(one) == (32, 8, table)
     mixed = one + [SeqChunk(new_tokens=[7], num_cached=30, pages=[2, 3])]
-    assert buckets(mixed) == (8, table)
-    long = [SeqChunk(new_tokens=[5] * 16, num_cached=150 * PAGE, pages=[])] * 2
-    assert buckets(long) == (8, 256)  # past the warm-up's table: its own page bucket
+    assert buckets(mixed) == (32, 8, table)
+    short = [SeqChunk(new_tokens=[5] * 3, num_cached=0, pages=[0])]
     decode = [SeqChunk(new_tokens=[7], num_cached=30, pages=[2, 3])] * 3
-    assert buckets(decode) == (4, runner.min_page_bucket)
+    assert buckets(short) == buckets(decode) == (4, 4, table)
+    long = [SeqChunk(new_tokens=[5] * 16, num_cached=150 * PAGE, pages=[])] * 2
+    assert buckets(long) == (32, 8, 256)  # past the warm-up's table: its own page bucket
 
 
 @pytest.mark.gpu

@@ -28,15 +28,10 @@ from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
 from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 
-# The page table's narrowest bucket covers this many tokens: narrower ones were more programs
-# to compile for contexts where the Mosaic attention kernel takes the same configuration
-# anyway (no KV split below 4 KV blocks: 512 tokens at head_dim 128) and the reference's
-# cost is the matmuls' (bench/NOTES.md, Start-up: compiling the step programs: Page buckets
-# from 512 tokens).
-MIN_PAGE_BUCKET_TOKENS = 512
-
-# The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page table
-# a batch that prefills takes (`ModelRunner.step_shape`).
+# The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page
+# table a batch takes (`ModelRunner.step_shape`): narrower tables were more programs to
+# compile, for no speed (bench/NOTES.md, Start-up: compiling the step programs: One program
+# per token bucket).
 WARMUP_CONTEXT = 2048
 
 
@@ -107,10 +102,9 @@ class ModelRunner:
         self.mesh = mesh or MeshSpec().meshes()[0]
         self.scratch_page = num_pages
         self.max_pages_per_seq = -(-max_model_len // page_size)
-        self.min_page_bucket = max(1, MIN_PAGE_BUCKET_TOKENS // page_size)
-        self.prefill_num_seqs = None if max_num_seqs is None else bucket(max_num_seqs, 1)
-        self.prefill_min_pages = bucket(-(-min(WARMUP_CONTEXT, max_model_len) // page_size),
-                                        self.min_page_bucket, self.max_pages_per_seq)
+        self.min_page_bucket = bucket(-(-min(WARMUP_CONTEXT, max_model_len) // page_size), 1,
+                                      self.max_pages_per_seq)
+        self.max_seq_slots = None if max_num_seqs is None else bucket(max_num_seqs, 1)
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         self.state_leaves, self.state_treedef = jax.tree.flatten(state)
@@ -260,58 +254,51 @@ class ModelRunner:
         s's) sizes the page table for the min(num_steps, remaining) tokens each will write.
         """
         num_tokens = sum(len(c.new_tokens) for c in chunks)
-        decode = num_tokens == len(chunks)
-        S = bucket(len(chunks), 1)
-        # A decode batch (one token per sequence) pads its tokens only to S: the attention
-        # kernel and every tensor-parallel all-reduce then carry one row per sequence, not
-        # 16 (at batch 1 this halved the attention kernel's time). Prefills pad to >= 16.
-        T = S if decode else bucket(num_tokens, 16)
+        # One program per token bucket: a batch's tokens pad to a power of two T, its
+        # sequence slots to min(T, max_num_seqs' bucket) (every sequence has a token, so a
+        # batch never has more sequences than T: a decode batch takes S = T, one row per
+        # sequence), its page table to at least WARMUP_CONTEXT tokens. The implementations'
+        # work follows the live tokens and their context, not the padding, so prompts,
+        # decodes and their mixes of one token count share a program, all in the warm-up.
+        T = bucket(num_tokens, 1)
+        S = min(T, self.max_seq_slots or bucket(len(chunks), 1))
         if num_steps > 1:
-            assert decode
+            assert num_tokens == len(chunks), "a multi-step decode has one token a sequence"
         max_pages = max(-(-(c.num_cached + max(len(c.new_tokens), min(num_steps, c.remaining)))
                           // self.page_size) for c in chunks)
         P = bucket(max_pages, self.min_page_bucket, self.max_pages_per_seq)
-        if not decode:
-            # A batch that prefills takes one of a few programs, all in the warm-up: one
-            # sequence, or several padded to max_num_seqs (prompts arriving together, or a
-            # prompt beside decodes), with a page table of at least WARMUP_CONTEXT tokens.
-            # Per sequence and page bucket these were too many programs to compile ahead.
-            if len(chunks) > 1 and self.prefill_num_seqs is not None:
-                S = self.prefill_num_seqs
-            P = max(P, self.prefill_min_pages)
         penalized = any(c.params is not None and c.params.has_penalties for c in chunks)
         L = bucket(max(len(c.history or ()) for c in chunks), 16) if penalized else 0
         return StepShape(kind, T, S, P, L, num_steps, with_logprobs)
 
     def warmup_shapes(self, max_num_seqs: int, max_num_batched_tokens: int,
                       decode_steps: int, max_len: int) -> list[StepShape]:
-        """The programs a server compiles before it is ready: decode batches of every
-        sequence bucket at every page bucket up to max_len tokens of context (one step, and
-        decode_steps steps), and batches that prefill, of every token bucket at every page
-        bucket up to max_len, with one sequence and with several (a prompt beside decodes).
-        Built with `step_shape`, so they are the shapes those batches will ask for. Batches
-        with logprobs or penalties compile on first use; a decode batch's next page bucket
-        compiles in the background (`launch`)."""
+        """The programs a server compiles before it is ready: a batch of each token bucket
+        up to max_num_batched_tokens, at each page bucket up to max_len tokens of context,
+        and (decode_steps > 1) the multi-step decode batches of each sequence bucket. Built
+        with `step_shape`, so they are the shapes those batches will ask for. Batches with
+        logprobs or penalties compile on first use; a batch's next page bucket compiles in
+        the background (`launch`)."""
         ps = self.page_size
-        seq_buckets = sorted({bucket(n, 1) for n in range(1, max_num_seqs + 1)})
         page_buckets = sorted({bucket(n, self.min_page_bucket, self.max_pages_per_seq)
                                for n in range(1, -(-max_len // ps) + 1)})
+        token_buckets = sorted({bucket(n, 1) for n in range(1, max_num_batched_tokens + 1)})
         shapes = set()
-        for steps in sorted({1, decode_steps}):
-            for s in seq_buckets:
-                for p in page_buckets:
-                    context = max(p * ps - steps, 0)
-                    chunks = [SeqChunk(new_tokens=[0], num_cached=context, pages=[],
-                                       remaining=steps)] * s
-                    shapes.add(self.step_shape(chunks, steps))
-        for t in sorted({bucket(n, 16) for n in range(2, max_num_batched_tokens + 1)}):
-            for p in page_buckets:
-                context = max(p * ps - t, 0)
-                prefill = SeqChunk(new_tokens=[0] * (t - 1), num_cached=context, pages=[])
-                shapes.add(self.step_shape([dataclasses.replace(prefill, new_tokens=[0] * t)]))
-                if max_num_seqs > 1:  # with a decode beside it
-                    shapes.add(self.step_shape(
-                        [prefill, SeqChunk(new_tokens=[0], num_cached=0, pages=[])]))
+        for p in page_buckets:
+            for t in token_buckets:  # one sequence of the rest beside single-token ones
+                s = min(t, max_num_seqs)
+                q_len = t - s + 1
+                chunks = [SeqChunk(new_tokens=[0] * q_len, num_cached=max(p * ps - q_len, 0),
+                                   pages=[])]
+                chunks += [SeqChunk(new_tokens=[0], num_cached=0, pages=[])] * (s - 1)
+                shapes.add(self.step_shape(chunks))
+            if decode_steps > 1:
+                for t in token_buckets:
+                    if t <= max_num_seqs:
+                        chunks = [SeqChunk(new_tokens=[0], num_cached=max(p * ps - decode_steps,
+                                                                          0),
+                                           pages=[], remaining=decode_steps)] * t
+                        shapes.add(self.step_shape(chunks, decode_steps))
         return sorted(shapes)
 
     def empty_inputs(self, shape: StepShape) -> StepInputs:
@@ -389,12 +376,12 @@ class ModelRunner:
                                         shape.with_logprobs))
 
     def _prefetch_next_pages(self, chunks: list[SeqChunk], shape: StepShape):
-        """Once a decode batch's longest sequence is past half of its page bucket, compiles
-        the program of the next bucket in the background, so that growing into it does not
-        stall the stream (on one process: a multi-host job's followers could not follow)."""
+        """Once a batch's longest sequence is past half of its page bucket, compiles the
+        program of the next bucket in the background, so that growing into it (decoding, or
+        the next chunk of a long prompt) does not stall the stream (on one process: a
+        multi-host job's followers could not follow)."""
         P = shape.pages_per_seq
-        decode = shape.num_tokens == shape.num_seqs
-        if not decode or P >= self.max_pages_per_seq or multihost.is_multiprocess():
+        if P >= self.max_pages_per_seq or multihost.is_multiprocess():
             return
         if 2 * max(c.num_cached + len(c.new_tokens) for c in chunks) > P * self.page_size:
             self.steps.prefetch(dataclasses.replace(

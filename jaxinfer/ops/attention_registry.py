@@ -10,7 +10,10 @@ implementation that supports it, runs the neighbouring work the implementation d
                place and applies the prologue itself
   mosaic_gpu   the Mosaic GPU kernel: Hopper, any step
   pallas_tpu   the Pallas TPU kernel: TPU
-  reference    the pure-JAX spec: everything else (CPU, other GPUs, float32 models)
+  by_sequence  XLA loops, one live sequence at a time (work: the batch's live tokens x their
+               context): the CPU
+  reference    the pure-JAX spec, dense over every sequence slot: everything else (other
+               GPUs, float32 models on Hopper)
 
 The kernels' own `unsupported_reason` says what inputs a kernel can take (dtypes, head_dim,
 page_size); the predicates here add the platform and the size rules. `implementation="name"`
@@ -28,6 +31,7 @@ from jaxinfer.ops.attention import (
     ragged_paged_attention_reference,
     split_qkv,
 )
+from jaxinfer.ops.attention_by_sequence import ragged_paged_attention_by_sequence
 from jaxinfer.ops.platform import needs
 from jaxinfer.ops.registry import Implementation, Registry
 from jaxinfer.ops.rope import QKPrologue
@@ -91,6 +95,8 @@ REGISTRY = Registry("ragged_paged_attention", [
                    _mosaic_gpu_supports),
     Implementation("pallas_tpu", pallas_tpu_kernel.ragged_paged_attention_tpu,
                    lambda call: needs("tpu")),
+    Implementation("by_sequence", ragged_paged_attention_by_sequence,
+                   lambda call: needs("cpu")),
     Implementation("reference", ragged_paged_attention_reference, lambda call: None),
 ])
 
