@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 
 from jaxinfer.engine import multihost
+from jaxinfer.engine.compiled_steps import executable_cache_dir
 from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine
 from jaxinfer.engine.request import Request, RequestDelta, SamplingParams, TokenLogprob
 from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner
@@ -38,10 +39,17 @@ class RequestOutput:
 
 def enable_compilation_cache():
     """Turns on JAX's persistent compilation cache (default $JAXINFER_CACHE/xla, or
-    ~/.cache/jaxinfer/xla), so a restart skips the compiles; JAXINFER_COMPILATION_CACHE=0
-    turns it off, a path moves it. An already configured cache directory is kept."""
+    ~/.cache/jaxinfer/xla) where the executable cache (`executable_cache_dir`) is off, so a
+    restart skips the compiles; JAXINFER_COMPILATION_CACHE=0 keeps it off, a path turns it
+    on there in any case. An already configured cache directory is kept. Why not both: the
+    executable cache keeps the step programs (the only ones that take seconds to compile)
+    whole, and JAX's cache beside it stored each one again, which made the warm-up from
+    empty caches slower by a third (bench/NOTES.md, Start-up: compiling the step programs:
+    JAX's compilation cache beside the executable cache)."""
     setting = os.environ.get("JAXINFER_COMPILATION_CACHE", "")
     if setting == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    if not setting and executable_cache_dir() is not None:
         return
     jax.config.update("jax_compilation_cache_dir", setting or str(cache_dir() / "xla"))
 

@@ -28,7 +28,8 @@ def _check(steps: CompiledSteps, shape: StepShape):
     x = np.random.default_rng().standard_normal(shape.num_tokens).astype(np.float32)
     y, total = steps.run(shape, x)
     np.testing.assert_allclose(np.asarray(y), x * 3 + shape.num_tokens, rtol=1e-6)
-    np.testing.assert_allclose(float(total), x.sum(), rtol=1e-5)
+    # A sum of random signs can land near 0: its rounding error scales with sum |x|.
+    np.testing.assert_allclose(float(total), x.sum(), rtol=0, atol=1e-6 * np.abs(x).sum())
 
 
 @pytest.fixture
