@@ -7,7 +7,7 @@
 Callers use `jaxinfer.ops.attention_registry.ragged_paged_attention`, which picks an
 implementation for the call (`AttentionCall`) and runs it; this module holds what they all
 share: the layouts, the metadata, the page writes, and the pure-JAX reference
-(`ragged_paged_attention_reference`, the spec the kernels are tested against).
+(`ragged_paged_attention_reference`, the spec every implementation is tested against).
 
 A step processes a *ragged batch*: the new tokens of up to S sequences laid end
 to end (prefill chunks and single decode tokens mixed). Shapes are static
@@ -286,7 +286,8 @@ def ragged_paged_attention_reference(
     """Pure-JAX reference (the spec). Returns (out [T, Hq, D] in q.dtype, k_pages, v_pages).
 
     It gathers every sequence's pages and attends densely with a mask, which
-    costs T x S x P x page_size scores: fine as a spec and on CPU, not a kernel.
+    costs T x S x P x page_size scores: fine as a spec, not for serving (the CPU runs
+    `attention_by_sequence`, whose work follows the live tokens).
     fp8 pages are upcast exactly to q.dtype; their scales multiply the scores and
     the output (as the kernels do).
     """
