@@ -470,6 +470,38 @@ def test_a_batch_runs_the_program_of_its_token_bucket():
     assert buckets(long) == (32, 8, 256)  # past the warm-up's table: its own page bucket
 
 
+@pytest.mark.parametrize("max_num_seqs,budget,decode_steps", [(5, 100, 4), (64, 3000, 1)])
+def test_every_batch_within_the_limits_runs_a_warmed_program(max_num_seqs, budget,
+                                                            decode_steps):
+    """Random batches the scheduler may form (at most max_num_seqs sequences and `budget`
+    tokens, prompts chunked, decodes, contexts up to the warm-up's 2048 tokens; multi-step
+    decodes) all map to a shape of `warmup_shapes`, and it holds one shape per token bucket
+    (plus the multi-step decodes)."""
+    runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=64,
+                         page_size=PAGE, max_model_len=256 * PAGE, max_num_seqs=max_num_seqs)
+    warm = set(runner.warmup_shapes(max_num_seqs, budget, decode_steps, WARMUP_CONTEXT))
+    tokens = {s.num_tokens for s in warm if s.num_steps == 1}
+    assert tokens == {1 << i for i in range((budget - 1).bit_length() + 1)}
+    assert len([s for s in warm if s.num_steps == 1]) == len(tokens)
+    rng = np.random.default_rng()
+    for _ in range(300):
+        n = int(rng.integers(1, max_num_seqs + 1))
+        steps = decode_steps if rng.random() < 0.3 else 1
+        chunks = []
+        room = budget
+        for _ in range(n):
+            if room == 0:
+                break
+            q_len = 1 if steps > 1 or rng.random() < 0.5 else int(rng.integers(1, room + 1))
+            q_len = min(q_len, room, WARMUP_CONTEXT - steps)
+            room -= q_len
+            cached = int(rng.integers(0, WARMUP_CONTEXT - q_len - steps + 1))
+            chunks.append(SeqChunk(new_tokens=[5] * q_len, num_cached=cached, pages=[],
+                                   remaining=steps))
+        shape = runner.step_shape(chunks, steps)
+        assert shape in warm, (shape, [len(c.new_tokens) for c in chunks])
+
+
 @pytest.mark.gpu
 def test_gpu_multi_step_decode_over_poisoned_pages_matches_single_steps():
     """On the GPU (bf16, the Mosaic attention kernel, which reads whole pages): with every

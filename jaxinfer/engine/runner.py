@@ -285,16 +285,17 @@ class ModelRunner:
         token_buckets = sorted({bucket(n, 1) for n in range(1, max_num_batched_tokens + 1)})
         shapes = set()
         for p in page_buckets:
-            for t in token_buckets:  # one sequence of the rest beside single-token ones
+            for t in token_buckets:  # t tokens over min(t, max_num_seqs) sequences
                 s = min(t, max_num_seqs)
-                q_len = t - s + 1
-                chunks = [SeqChunk(new_tokens=[0] * q_len, num_cached=max(p * ps - q_len, 0),
-                                   pages=[])]
-                chunks += [SeqChunk(new_tokens=[0], num_cached=0, pages=[])] * (s - 1)
+                chunks = []
+                for i in range(s):
+                    q_len = t // s + (i < t % s)
+                    chunks.append(SeqChunk(new_tokens=[0] * q_len,
+                                           num_cached=max(p * ps - q_len, 0), pages=[]))
                 shapes.add(self.step_shape(chunks))
             if decode_steps > 1:
                 for t in token_buckets:
-                    if t <= max_num_seqs:
+                    if t <= bucket(max_num_seqs, 1):
                         chunks = [SeqChunk(new_tokens=[0], num_cached=max(p * ps - decode_steps,
                                                                           0),
                                            pages=[], remaining=decode_steps)] * t
