@@ -337,9 +337,9 @@ def test_call_description():
 # the Mosaic kernel takes it).
 PICKS = {
     "cpu": ("by_sequence",) * 5,
-    "gpu": ("reference",) * 5,
+    "gpu": ("by_sequence",) * 5,
     "tpu": ("pallas_tpu",) * 5,
-    "hopper": ("pallas_gpu", "mosaic_gpu", "reference", "pallas_gpu", "mosaic_gpu"),
+    "hopper": ("pallas_gpu", "mosaic_gpu", "by_sequence", "pallas_gpu", "mosaic_gpu"),
 }
 
 
@@ -404,7 +404,7 @@ def test_kernel_limits():
 @pytest.mark.parametrize("platform,name,dtype,want", [
     ("hopper", "single_token", jnp.bfloat16, "pallas_gpu"),
     ("hopper", "decode", jnp.bfloat16, "mosaic_gpu"),
-    ("hopper", "single_token", jnp.float32, "reference"),
+    ("hopper", "single_token", jnp.float32, "by_sequence"),
     ("tpu", "decode", jnp.float32, "pallas_tpu"),
 ])
 def test_entry_point_runs_the_pick_and_the_work_it_does_not_fuse(platform, name, dtype, want,
@@ -413,7 +413,7 @@ def test_entry_point_runs_the_pick_and_the_work_it_does_not_fuse(platform, name,
     patched to record its arguments), given a fused projection and a prologue: an entry
     whose `fuses` holds split_qkv, qk_norm and rope gets them as they are; any other gets
     q, k, v split and the prologue applied. The entry's `fuses` decides, not its name (the
-    reference, made to fuse them, gets them as they are too)."""
+    XLA entry, made to fuse them, gets them as they are too)."""
     got = {}
 
     def recorder(impl):
@@ -446,9 +446,10 @@ def test_entry_point_runs_the_pick_and_the_work_it_does_not_fuse(platform, name,
         want_q, want_k = prologue.apply(q, k)
         for x, y in ((got["q"], want_q), (got["k"], want_k), (got["v"], v)):
             np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    if want == "reference":  # the same call, the reference made to fuse the three
-        fusing = dataclasses.replace(patched[-1], fuses=("split_qkv", "qk_norm", "rope"))
-        monkeypatch.setattr(REGISTRY, "implementations", (*patched[:-1], fusing))
+    if want == "by_sequence":  # the same call, the XLA entry made to fuse the three
+        i = [impl.name for impl in patched].index(want)
+        fusing = dataclasses.replace(patched[i], fuses=("split_qkv", "qk_norm", "rope"))
+        monkeypatch.setattr(REGISTRY, "implementations", (*patched[:i], fusing, *patched[i + 1:]))
         ragged_paged_attention(qkv, None, None, kp, vp, md, sm_scale=0.125, prologue=prologue)
         assert got["q"] is qkv and got["options"]["prologue"] is prologue
 

@@ -296,9 +296,9 @@ class ModelRunner:
             if decode_steps > 1:
                 for t in token_buckets:
                     if t <= bucket(max_num_seqs, 1):
-                        chunks = [SeqChunk(new_tokens=[0], num_cached=max(p * ps - decode_steps,
-                                                                          0),
-                                           pages=[], remaining=decode_steps)] * t
+                        context = max(p * ps - decode_steps, 0)
+                        chunks = [SeqChunk(new_tokens=[0], num_cached=context, pages=[],
+                                           remaining=decode_steps)] * t
                         shapes.add(self.step_shape(chunks, decode_steps))
         return sorted(shapes)
 

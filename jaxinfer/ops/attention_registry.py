@@ -11,9 +11,9 @@ implementation that supports it, runs the neighbouring work the implementation d
   mosaic_gpu   the Mosaic GPU kernel: Hopper, any step
   pallas_tpu   the Pallas TPU kernel: TPU
   by_sequence  XLA loops, one live sequence at a time (work: the batch's live tokens x their
-               context): the CPU
-  reference    the pure-JAX spec, dense over every sequence slot: everything else (other
-               GPUs, float32 models on Hopper)
+               context): everything else (the CPU, other GPUs, float32 models)
+  reference    the pure-JAX spec, dense over every sequence slot (T x S x context scores:
+               tests and `implementation="reference"` only)
 
 The kernels' own `unsupported_reason` says what inputs a kernel can take (dtypes, head_dim,
 page_size); the predicates here add the platform and the size rules. `implementation="name"`
@@ -95,8 +95,7 @@ REGISTRY = Registry("ragged_paged_attention", [
                    _mosaic_gpu_supports),
     Implementation("pallas_tpu", pallas_tpu_kernel.ragged_paged_attention_tpu,
                    lambda call: needs("tpu")),
-    Implementation("by_sequence", ragged_paged_attention_by_sequence,
-                   lambda call: needs("cpu")),
+    Implementation("by_sequence", ragged_paged_attention_by_sequence, lambda call: None),
     Implementation("reference", ragged_paged_attention_reference, lambda call: None),
 ])
 
