@@ -210,8 +210,10 @@ def test_one_token_rows_in_router_order(monkeypatch, live, implementation, platf
 
 
 def _force_aligned_rows(monkeypatch):
-    """Every MoE block lays its pairs out in the aligned layout, whatever their number."""
-
+    """Every MoE block lays its pairs out in the aligned layout, whatever their number (and
+    an LLM's step programs are traced anew: one loaded from the executable cache, compiled
+    without the patch, would not be)."""
+    monkeypatch.setenv("JAXINFER_EXECUTABLE_CACHE", "0")
     monkeypatch.setattr(moe, "expert_rows", lambda *args, **kw: expert_routing.expert_rows(
         *args, implementation="aligned", **kw))
 

@@ -653,9 +653,10 @@ def test_health_answers_during_warmup_and_nothing_compiles_after_ready(qwen3_con
                                                                          tmp_path):
     """A warming-up server answers /health (503, with progress) and generation requests (503,
     Retry-After) instead of refusing connections; once ready, a request whose context grows
-    from 20 to 1100 tokens through every decode bucket's sizes, then prompts sent together
-    (batched prefills, prompts beside decodes, chunked) run on programs the warm-up made: no
-    step program is compiled after ready, on demand or otherwise."""
+    from 20 to 1100 tokens (across what were page-table buckets at 512 and 1024 tokens),
+    then prompts sent together (batched prefills, prompts beside decodes, chunked) run on
+    programs the warm-up made: no step program is compiled after ready, on demand or
+    otherwise."""
     log = tmp_path / "warm.log"
     proc = _start(qwen3_converted, log, 128, "--max-num-seqs", "4", "--max-num-batched-tokens",
                   "64", "--max-model-len", "2048", warmup=True,
