@@ -95,8 +95,8 @@ class ModelRunner:
         """`mesh`: the one the model's parameters were placed on (`jaxinfer.sharding`);
         the KV cache is split over its KV heads like the k/v projections. The model runs as
         it comes, built by the loader (`jaxinfer.models.inference_form`). `max_num_seqs`:
-        the engine's, to which a batch of several sequences that prefills pads
-        (`step_shape`); None: such batches pad to their own sequence bucket."""
+        the engine's, whose bucket bounds a batch's sequence slots (`step_shape`); None: a
+        batch has the bucket of its own sequences."""
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
         self.mesh = mesh or MeshSpec().meshes()[0]
