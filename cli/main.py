@@ -86,7 +86,7 @@ class ModelChoice:
     path: str | None
     dtype: str | None
     max_model_len: int | None
-    kv_cache_gb: float
+    kv_cache_gb: float | None
     page_size: int
     decode_steps: int
     scan_layers: bool | None
@@ -100,9 +100,12 @@ class ModelChoice:
         return join_job(self.coordinator, self.num_processes, self.process_id)
 
     def load(self) -> LLM:
-        return LLM(self.path, dtype=self.dtype, kv_cache_bytes=int(self.kv_cache_gb * 2**30),
+        """The LLM of one request at a time (generate, chat): one sequence slot, and a KV
+        cache sized for it unless --kv-cache-gb says otherwise."""
+        kv_bytes = None if self.kv_cache_gb is None else int(self.kv_cache_gb * 2**30)
+        return LLM(self.path, dtype=self.dtype, kv_cache_bytes=kv_bytes,
                    max_model_len=self.max_model_len, page_size=self.page_size,
-                   decode_steps=self.decode_steps, mesh=self.mesh,
+                   max_num_seqs=1, decode_steps=self.decode_steps, mesh=self.mesh,
                    scan_layers=self.scan_layers)
 
 
@@ -116,9 +119,9 @@ model_options = _packed([
     click.option("--max-model-len", default=None, type=click.IntRange(min=2),
                  help="Longest prompt + output (default: the model's context, capped by the "
                       "cache)."),
-    click.option("--kv-cache-gb", default=1.0, show_default=True,
-                 type=click.FloatRange(min=0, min_open=True),
-                 help="Size of the paged KV cache in GiB."),
+    click.option("--kv-cache-gb", default=None, type=click.FloatRange(min=0, min_open=True),
+                 help="Size of the paged KV cache in GiB (default: what one sequence of "
+                      "--max-model-len needs, at most 1)."),
     click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
                  help="Tokens per KV-cache page (prefix caching shares whole pages)."),
     click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),

@@ -25,6 +25,7 @@ from jaxinfer.models.decoder import scan_layers as scan_layers_of
 from jaxinfer.sharding import MeshSpec
 
 MAX_PAGE_SIZE = 64  # the Mosaic attention kernel's smallest KV block (head_dim > 128)
+DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclasses.dataclass
@@ -70,7 +71,8 @@ class LLM:
     projections); one constructed directly keeps plain norms (the same function, HF's
     rounding).
 
-    kv_cache_bytes sizes the paged KV cache; max_model_len defaults to the
+    kv_cache_bytes sizes the paged KV cache (None: what max_num_seqs sequences of
+    max_model_len need, at most DEFAULT_KV_CACHE_BYTES); max_model_len defaults to the
     model's context, capped by what the cache holds; decode_steps > 1 runs that many
     decode steps per host round trip when every running request is decoding.
     """
@@ -78,7 +80,7 @@ class LLM:
     engine: EngineInterface  # an Engine, or a ReplicatedEngine for dp replicas
 
     def __init__(self, model: str | Path | Decoder | None = None, *, dtype: str | None = None,
-                 page_size: int = 16, kv_cache_bytes: int = 1 << 30,
+                 page_size: int = 16, kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, decode_steps: int = 1,
                  mesh: str | MeshSpec | None = None, scan_layers: bool | None = None):
@@ -116,6 +118,9 @@ class LLM:
         self.config = c = self.model.config
         itemsize = self.model.embed.embedding.dtype.itemsize
         page_bytes = page_size * c.kv_bytes_per_token(itemsize)
+        if kv_cache_bytes is None:  # a one-request CLI asks for a third of a GiB, not one
+            pages_per_seq = -(-(max_model_len or c.max_position_embeddings) // page_size)
+            kv_cache_bytes = min(DEFAULT_KV_CACHE_BYTES, max_num_seqs * pages_per_seq * page_bytes)
         num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import MLP, Attention, RMSNorm
+from jaxinfer.models.layers import MLP, Attention, RMSNorm, new_param
 from jaxinfer.models.moe import MoE
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.ops.linear_registry import linear
@@ -61,9 +61,8 @@ class Embedding(nnx.Module):
     """embedding [vocab, dim], its rows split over the vocabulary axis when sharded."""
 
     def __init__(self, vocab_size, dim, *, dtype, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
-                                                                 (vocab_size, dim), dtype),
-                                   axes=P("vocab", "embed"))
+        self.embedding = new_param((vocab_size, dim), dtype, lambda: nnx.initializers.normal(
+            0.02)(rngs.params(), (vocab_size, dim), dtype), axes=P("vocab", "embed"))
 
     def __call__(self, token_ids):
         vocab = self.embedding.shape[0]
@@ -96,9 +95,9 @@ class Decoder(nnx.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
-                rngs.params(), (config.vocab_size, config.hidden_size), dtype),
-                axes=P("vocab", "embed"))
+            shape = (config.vocab_size, config.hidden_size)
+            self.lm_head = new_param(shape, dtype, lambda: nnx.initializers.normal(0.02)(
+                rngs.params(), shape, dtype), axes=P("vocab", "embed"))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: list,
                  md: AttentionMetadata):

@@ -34,7 +34,13 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.decoder import Decoder
-from jaxinfer.models.layers import MLP, FoldedRMSNorm, Linear, ProjectionGroup
+from jaxinfer.models.layers import (
+    MLP,
+    FoldedRMSNorm,
+    Linear,
+    ProjectionGroup,
+    abstract_module,
+)
 from jaxinfer.models.moe import FoldedRouter
 from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
 from jaxinfer.sharding import P, split_per_shard
@@ -54,8 +60,24 @@ def checkpoint_layout(config: ModelConfig) -> dict[str, TensorLayout]:
     """Checkpoint key -> (shape, logical axes) of every parameter of a model of `config`,
     float as a checkpoint stores it (the quantized parts of a projection: see
     `jaxinfer.sharding.param_axes`); nothing allocated. Keys are in the order of the
-    model's state (a seed of `random_model` draws its tensors in this order)."""
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    model's state (a seed of `random_model` draws its tensors in this order).
+
+    Kept per config (its repr: a config holds a dict, so it does not hash): a load asks
+    for the layout twice (the placer's axes, the stored shapes' check), and building the
+    abstract model takes 0.2 s of the CPU's start-up each time."""
+    key = repr(config)
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) >= 16:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = _checkpoint_layout(config)
+    return dict(_LAYOUTS[key])
+
+
+_LAYOUTS: dict[str, dict[str, TensorLayout]] = {}
+
+
+def _checkpoint_layout(config: ModelConfig) -> dict[str, TensorLayout]:
+    model = abstract_module(lambda: Decoder(config, dtype=jnp.float32, rngs=None))
     groups = _groups(model)
     out = {}
     for path, var in nnx.state(model, nnx.Param).flat_state():
@@ -84,7 +106,7 @@ def inference_model(config: ModelConfig, params: dict[str, jax.Array],
     parameters): fold every norm that `foldable` allows.
     """
     dtype = params["embed.embedding"].dtype
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = abstract_module(lambda: Decoder(config, dtype=dtype, rngs=None))
     for path, group in _groups(model).items():
         in_axis = group.linears[0].axes[1]
         group.set_parts([_part(params, _key((*path[:-1], name)), P(axis, in_axis), dtype,
@@ -181,9 +203,9 @@ def _part(params: dict, prefix: str, axes: P, dtype, activations) -> Linear:
     tensors taken from params."""
     weight = params[prefix + ".weight"]
     bias = params.pop(prefix + ".bias", None)
-    layer = nnx.eval_shape(lambda: Linear(weight.shape[1], weight.shape[0], axes=axes,
+    layer = abstract_module(lambda: Linear(weight.shape[1], weight.shape[0], axes=axes,
                                           bias=bias is not None, dtype=dtype,
-                                          rngs=nnx.Rngs(0)))
+                                          rngs=None))
     if prefix + ".weight" + SCALE in params:
         layer.set_quantized(_quantized_weight(params, prefix + ".weight", activations))
     else:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import MLP, Linear
+from jaxinfer.models.layers import MLP, Linear, abstract_module
 from jaxinfer.ops.expert_routing import ExpertRows, expert_rows, top_k_experts
 from jaxinfer.ops.grouped_matmul import swiglu_halves
 from jaxinfer.ops.grouped_matmul_registry import grouped_matmul
@@ -157,8 +157,8 @@ class FoldedRouter(Router):
     def of(cls, router: Router) -> FoldedRouter:
         """`router` (without bias, its weight holding the norm's scale) as a folded router."""
         w, axes = router.weight, router.axes
-        folded = nnx.eval_shape(lambda: cls(w.shape[1], w.shape[0], axes=axes, bias=False,
-                                            dtype=w.dtype, rngs=nnx.Rngs(0)))
+        folded = abstract_module(lambda: cls(w.shape[1], w.shape[0], axes=axes, bias=False,
+                                             dtype=w.dtype, rngs=None))
         folded.weight = nnx.Param(w[...], axes=axes)
         return folded
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import CASES, Case, build, expected_pages, oracle
+from jax.experimental import pallas as pl
 
 import jaxinfer.ops.attention_by_sequence as attention_by_sequence
 import jaxinfer.ops.attention_registry as attention_registry
@@ -367,7 +369,9 @@ def test_pick_without_the_triton_lowering(monkeypatch):
     """A jax without the Pallas Triton lowering: one-token steps on Hopper take the Mosaic
     kernel, and forcing the Pallas GPU kernel fails with a one-line reason."""
     monkeypatch.setattr(platform_module, "platform", lambda: "hopper")
-    monkeypatch.setattr(attention_registry, "pallas_gpu_kernel", None)
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)  # import fails
+    monkeypatch.delattr(pl, "triton", raising=False)
+    monkeypatch.delitem(sys.modules, pallas_gpu_kernel.__name__)  # imported again
     assert REGISTRY.pick(describe(1)).name == "mosaic_gpu"
     assert "Triton" in REGISTRY.reasons(describe(1))["pallas_gpu"]
     b = build(CASES["single_token"])

@@ -240,6 +240,13 @@ def _pool_bytes(converted, pages: int) -> int:
     return pages * 2 * c.num_layers * PAGE * c.num_kv_heads * c.head_dim * 4
 
 
+def test_default_kv_cache_holds_max_num_seqs_longest_sequences(converted):
+    """kv_cache_bytes=None: pages for max_num_seqs sequences of max_model_len, no more."""
+    llm = LLM(converted, max_num_seqs=2, max_model_len=100)
+    assert llm.runner.num_pages == 2 * -(-100 // PAGE)
+    assert llm.max_model_len == 100
+
+
 def alone(converted, prompts, params):
     """Each request on its own fresh engine (big pool, nothing shared)."""
     out = []

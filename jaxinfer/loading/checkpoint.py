@@ -21,7 +21,8 @@ q/k/v and gate/up joined, norm scales folded into float projections).
 
 Conversion streams: tensors are read one at a time and written with Orbax
 partial saves in groups of at most GROUP_BYTES, so peak memory tracks the
-largest tensor, not the model. Everything is written to a temporary directory
+largest tensor, not the model; only sub-byte values (int4, fp4) are compressed
+(`_save_group`). Everything is written to a temporary directory
 beside OUT and renamed into place at the end, so a failure leaves nothing behind; the
 directory of a killed convert is removed by the next convert into the same OUT.
 """
@@ -76,11 +77,28 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float
 CONFIG_FILE, WEIGHTS_DIR = "model_config.json", "weights"
 _PARTS = (".weight" + SCALE, ".weight" + OFFSET)
 _QUANT_DTYPES = {jnp.dtype(d) for d in VALUE_DTYPES.values()}
+_SUB_BYTE_DTYPES = {jnp.dtype(d) for d in (jnp.int4, jnp.uint4, jnp.float4_e2m1fn)}
 
 
 def _ocp():
     from orbax.checkpoint.experimental import v1 as ocp
     return ocp
+
+
+def _save_group(ocp, weights: Path, group: dict[str, jax.Array]):
+    """One partial save of `group`: sub-byte arrays (int4 / fp4 values, one byte each in
+    memory) zstd-compressed, the others as they are. Why not compress everything: a load
+    then copies bytes instead of decompressing them (SmolLM2 in float32 on the CPU: 1.1 s
+    to 0.55 s), and zstd saves a tenth or less on weights stored at their own precision;
+    on sub-byte values it halves the file, the point of a 4-bit checkpoint."""
+    packed = {k: a for k, a in group.items() if jnp.dtype(a.dtype) in _SUB_BYTE_DTYPES}
+    for part, compressed in ((packed, True), ({k: a for k, a in group.items()
+                                               if k not in packed}, False)):
+        if part:
+            ctx = ocp.Context()
+            ctx.array.saving.use_compression = compressed
+            with ctx:
+                ocp.partial.save(weights, part)
 
 
 def open_source(path: str | Path) -> HFSource | GGUFSource:
@@ -236,10 +254,10 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
                 if key in want:
                     bar.update(1)
                 if group_bytes >= GROUP_BYTES:
-                    ocp.partial.save(weights, group)
+                    _save_group(ocp, weights, group)
                     group, group_bytes = {}, 0
             if group:
-                ocp.partial.save(weights, group)
+                _save_group(ocp, weights, group)
             ocp.partial.finalize(weights)
         quantization = (str(fmt) if fmt is not None
                         else source.native_quantization if native else None)

@@ -22,9 +22,10 @@ forces one (tests, benchmarks); kernels then run in interpret mode off their har
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 
-from jaxinfer.mosaic import ragged_paged_attention as mosaic_gpu_kernel
 from jaxinfer.ops.attention import (
     AttentionCall,
     AttentionMetadata,
@@ -33,16 +34,11 @@ from jaxinfer.ops.attention import (
 )
 from jaxinfer.ops.attention_by_sequence import ragged_paged_attention_by_sequence
 from jaxinfer.ops.platform import needs
-from jaxinfer.ops.registry import Implementation, Registry
+from jaxinfer.ops.registry import Implementation, KernelModule, Registry
 from jaxinfer.ops.rope import QKPrologue
-from jaxinfer.pallas_kernels import ragged_paged_attention as pallas_tpu_kernel
 
-try:  # jax's Pallas Triton lowering, deprecated in jax 0.11: a jax without it skips the entry
-    from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu_kernel
-except ModuleNotFoundError as error:
-    if error.name != "jax.experimental.pallas.triton":
-        raise
-    pallas_gpu_kernel = None
+mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.ragged_paged_attention")
+pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.ragged_paged_attention")
 
 # Steps of up to this many tokens use the Pallas GPU kernel on Hopper (bench/NOTES.md,
 # Ragged paged attention: Pallas GPU kernel for one-token steps; measured at batch-1
@@ -56,22 +52,33 @@ PALLAS_GPU_MAX_TOKENS = 1
 SPLIT_QKV, QK_NORM, ROPE = "split_qkv", "qk_norm", "rope"
 
 
+def _pallas_gpu_kernel():
+    """The Pallas GPU kernel's module, or None where this jax has no Pallas Triton lowering
+    (deprecated in jax 0.11: a jax without it skips the entry)."""
+    try:
+        return importlib.import_module("jaxinfer.pallas_kernels.ragged_paged_attention_gpu")
+    except ModuleNotFoundError as error:
+        if error.name != "jax.experimental.pallas.triton":
+            raise
+        return None
+
+
 def _pallas_gpu_supports(call: AttentionCall) -> str | None:
     if (reason := needs("hopper")) is not None:
         return reason
     if call.num_tokens > PALLAS_GPU_MAX_TOKENS:
         return (f"{call.num_tokens} tokens: more than PALLAS_GPU_MAX_TOKENS "
                 f"({PALLAS_GPU_MAX_TOKENS}), where the Mosaic kernel is faster")
-    if pallas_gpu_kernel is None:
+    if (kernel := _pallas_gpu_kernel()) is None:
         return "this jax has no Pallas Triton lowering"
-    return pallas_gpu_kernel.unsupported_reason(call.query, call.pages)
+    return kernel.unsupported_reason(call.query, call.pages)
 
 
 def _pallas_gpu_fuses(call: AttentionCall) -> tuple[str, ...]:
     """The kernel reads a fused projection in place and applies the prologue itself where
     it can (one token, pages in q's dtype: `fuses_prologue`); elsewhere XLA does both."""
-    if pallas_gpu_kernel is not None and pallas_gpu_kernel.fuses_prologue(call.query,
-                                                                          call.pages):
+    kernel = _pallas_gpu_kernel()
+    if kernel is not None and kernel.fuses_prologue(call.query, call.pages):
         return (SPLIT_QKV, QK_NORM, ROPE)
     return ()
 
@@ -83,18 +90,24 @@ def _mosaic_gpu_supports(call: AttentionCall) -> str | None:
 def _pallas_gpu(*args, **kwargs):
     """`ragged_paged_attention_gpu`, or (a jax without the Triton lowering, where the entry
     supports no call) a one-line error when it is forced."""
-    if pallas_gpu_kernel is None:
+    if (kernel := _pallas_gpu_kernel()) is None:
         raise ValueError("pallas_gpu attention: this jax has no Pallas Triton lowering")
-    return pallas_gpu_kernel.ragged_paged_attention_gpu(*args, **kwargs)
+    return kernel.ragged_paged_attention_gpu(*args, **kwargs)
+
+
+def _mosaic_gpu(*args, **kwargs):
+    return mosaic_gpu_kernel.ragged_paged_attention_mgpu(*args, **kwargs)
+
+
+def _pallas_tpu(*args, **kwargs):
+    return pallas_tpu_kernel.ragged_paged_attention_tpu(*args, **kwargs)
 
 
 REGISTRY = Registry("ragged_paged_attention", [
     Implementation("pallas_gpu", _pallas_gpu, _pallas_gpu_supports,
                    fuses=_pallas_gpu_fuses),
-    Implementation("mosaic_gpu", mosaic_gpu_kernel.ragged_paged_attention_mgpu,
-                   _mosaic_gpu_supports),
-    Implementation("pallas_tpu", pallas_tpu_kernel.ragged_paged_attention_tpu,
-                   lambda call: needs("tpu")),
+    Implementation("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_supports),
+    Implementation("pallas_tpu", _pallas_tpu, lambda call: needs("tpu")),
     Implementation("by_sequence", ragged_paged_attention_by_sequence, lambda call: None),
     Implementation("reference", ragged_paged_attention_reference, lambda call: None),
 ])

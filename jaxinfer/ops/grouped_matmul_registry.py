@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import jax
 
-from jaxinfer.mosaic import grouped_matmul as mosaic_gpu_kernel
 from jaxinfer.ops.grouped_matmul import (
     ExpertWeights,
     GroupedMatmulCall,
@@ -37,8 +36,10 @@ from jaxinfer.ops.grouped_matmul import (
     swiglu_halves,
 )
 from jaxinfer.ops.platform import needs
-from jaxinfer.ops.registry import Implementation, Registry
-from jaxinfer.pallas_kernels import grouped_matmul as pallas_tpu_kernel
+from jaxinfer.ops.registry import Implementation, KernelModule, Registry
+
+mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.grouped_matmul")
+pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.grouped_matmul")
 
 # Up to this many unsorted rows (one decode token's k rows) of float weights, Hopper
 # computes each row against its own group's weights as a gather, a multiply and a row

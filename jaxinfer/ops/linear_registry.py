@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import jax
 
-from jaxinfer.mosaic import quantized_matmul as mosaic_gpu_kernel
 from jaxinfer.ops.linear import (
     LinearCall,
     Weight,
@@ -34,8 +33,10 @@ from jaxinfer.ops.linear import (
 )
 from jaxinfer.ops.platform import needs
 from jaxinfer.ops.quant import QuantizedWeight
-from jaxinfer.ops.registry import Implementation, Registry
-from jaxinfer.pallas_kernels import quantized_matmul as pallas_tpu_kernel
+from jaxinfer.ops.registry import Implementation, KernelModule, Registry
+
+mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.quantized_matmul")
+pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.quantized_matmul")
 
 # Up to this many rows (tokens) the Mosaic kernel runs; above it the reference, whose dot
 # XLA fuses with the per-channel dequantisation (group-wise weights it dequantises into a
@@ -85,12 +86,13 @@ def _one_row_reduce_supports(call: LinearCall) -> str | None:
     return None
 
 
-def _kernel(name: str, matmul):
-    """A quantized kernel matmul(x [M, K], w) -> [M, N] as a linear implementation."""
+def _kernel(name: str, kernel: KernelModule, matmul: str):
+    """A quantized kernel `kernel.matmul`(x [M, K], w) -> [M, N] as a linear implementation."""
     def run(x, weight: Weight, bias=None, row_scale=None):
         if not isinstance(weight, QuantizedWeight):
             raise ValueError(f"linear {name}: takes a QuantizedWeight, got a float weight")
-        return linear_epilogue(quantized_product(matmul, x, weight), x.dtype, bias, row_scale)
+        return linear_epilogue(quantized_product(getattr(kernel, matmul), x, weight), x.dtype,
+                               bias, row_scale)
     return run
 
 
@@ -101,9 +103,11 @@ def _one_row_reduce(x, weight: Weight, bias=None, row_scale=None):
 
 
 REGISTRY = Registry("linear", [
-    Implementation("mosaic_gpu", _kernel("mosaic_gpu", mosaic_gpu_kernel.quantized_matmul_mgpu),
+    Implementation("mosaic_gpu",
+                   _kernel("mosaic_gpu", mosaic_gpu_kernel, "quantized_matmul_mgpu"),
                    _mosaic_gpu_supports),
-    Implementation("pallas_tpu", _kernel("pallas_tpu", pallas_tpu_kernel.quantized_matmul_tpu),
+    Implementation("pallas_tpu",
+                   _kernel("pallas_tpu", pallas_tpu_kernel, "quantized_matmul_tpu"),
                    _pallas_tpu_supports),
     Implementation("one_row_reduce", _one_row_reduce, _one_row_reduce_supports),
     Implementation("reference", linear_reference, lambda call: None),
