@@ -31,8 +31,9 @@ from jaxinfer.benchmarks.harness import (
     roofline,
 )
 from jaxinfer.benchmarks.kernels import bench_kernels
-from jaxinfer.cli.parallel import random_or_path
+from jaxinfer.cli.parallel import memory_utilization_option, random_or_path
 from jaxinfer.errors import JaxinferError
+from jaxinfer.loading.plan import set_memory_utilization
 from jaxinfer.loading.weights import StepReads
 from jaxinfer.ops.quant import parse_format
 
@@ -56,8 +57,9 @@ _dtype_option = click.option(
     "--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
     show_default=True, help="dtype of the weights and the computation.")
 _kv_cache_option = click.option(
-    "--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=4.0,
-    show_default=True, help="Size of the paged KV cache in GiB.")
+    "--kv-cache-gb", type=click.FloatRange(min=0, min_open=True), default=None,
+    help="Size of the paged KV cache in GiB (default: planned, as `jaxinfer serve` does: "
+         "see --gpu-memory-utilization).")
 _max_num_seqs_option = click.option(
     "--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
     help="Most sequences the engine runs in one step.")
@@ -81,6 +83,7 @@ def _model_options(fn):
                      help="With --preset: quantize the random projections to FORMAT (int8, "
                           "int4:g128, fp8, ...), as `jaxinfer convert --quantize` would."),
         _kv_cache_option,
+        memory_utilization_option,
         _max_num_seqs_option,
         _max_num_batched_tokens_option,
         click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
@@ -117,14 +120,19 @@ def _check_model_args(model_path, preset, quantize):
         parse_format(quantize)
 
 
-def _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-          decode_steps, page_size, mesh=None, quantize=None):
+def _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
+          max_num_batched_tokens, decode_steps, page_size, mesh=None, quantize=None):
     _check_model_args(model_path, preset, quantize)
+    set_memory_utilization(gpu_memory_utilization)  # before JAX starts
     model = random_or_path(model_path, preset, dtype, mesh, quantize)
-    return LLM(model, dtype=None if preset else dtype,
-               kv_cache_bytes=int(kv_cache_gb * 2**30), max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
-               page_size=page_size, mesh=mesh)
+    llm = LLM(model, dtype=None if preset else dtype,
+              kv_cache_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+              decode_steps=decode_steps, page_size=page_size, mesh=mesh,
+              gpu_memory_utilization=gpu_memory_utilization)
+    if llm.kv_plan is not None:
+        click.echo(llm.kv_plan.format(page_size), err=True)
+    return llm
 
 
 def _report(kind, ceilings, rows, headline, result, json_path, record):
@@ -184,15 +192,15 @@ def kernels(backend, small, json_path, record, profile, plot):
               help="Tokens generated per prompt (EOS ignored).")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed runs after the compiling one; the report gives their medians.")
-def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-            decode_steps, page_size, json_path, record, profile, mesh, batch, input_len,
-            output_len, repeats):
+def latency(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utilization,
+            max_num_seqs, max_num_batched_tokens, decode_steps, page_size, json_path, record,
+            profile, mesh, batch, input_len, output_len, repeats):
     """Time to first token and per-token decode time."""
     _check_model_args(model_path, preset, quantize)
     _check_outputs(json=json_path, record=record)
     ceilings = ceilings_in_child_process()
-    llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                decode_steps, page_size, mesh, quantize)
+    llm = _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
+                max_num_batched_tokens, decode_steps, page_size, mesh, quantize)
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings, repeats=repeats)
     headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
@@ -210,15 +218,15 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs, max_
               help="Longest prompt: lengths are uniform in [len / 2, len] (random token ids).")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
               help="Tokens generated per request (EOS ignored).")
-def throughput(model_path, preset, dtype, quantize, kv_cache_gb, max_num_seqs,
-               max_num_batched_tokens, decode_steps, page_size, json_path, record, profile,
-               mesh, num_requests, input_len, output_len):
+def throughput(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utilization,
+               max_num_seqs, max_num_batched_tokens, decode_steps, page_size, json_path,
+               record, profile, mesh, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
     _check_model_args(model_path, preset, quantize)
     _check_outputs(json=json_path, record=record)
     ceilings = ceilings_in_child_process()
-    llm = _load(model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-                decode_steps, page_size, mesh, quantize)
+    llm = _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
+                max_num_batched_tokens, decode_steps, page_size, mesh, quantize)
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
     decode, roof = r["decode_tokens_per_s"], r["decode_roofline_tokens_per_s"]
@@ -267,6 +275,7 @@ def _plot(plt, rows, ceilings, path):
 @click.option("--preset", default=None, help="Random-weight shape for the started server.")
 @_dtype_option
 @_kv_cache_option
+@memory_utilization_option
 @_max_num_seqs_option
 @_max_num_batched_tokens_option
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None,
@@ -297,10 +306,10 @@ def _plot(plt, rows, ceilings, path):
               help="Seed of the random prompts and their lengths.")
 @_json_option
 @_record_option
-def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_batched_tokens,
-          max_model_len, decode_steps, page_size, api_key, mesh, server_warmup, num_requests,
-          concurrency, input_len, output_len, range_ratio, warmup_passes, seed, json_path,
-          record):
+def serve(url, model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
+          max_num_batched_tokens, max_model_len, decode_steps, page_size, api_key, mesh,
+          server_warmup, num_requests, concurrency, input_len, output_len, range_ratio,
+          warmup_passes, seed, json_path, record):
     """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles."""
     # The load generator needs httpx, of the optional `serve` extra.
     from jaxinfer.benchmarks.serve_load import (
@@ -315,9 +324,12 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, max_num_seqs, max_num_bat
         if bool(preset) == bool(model_path):
             raise JaxinferError("give --url, or one of --model / --preset to start a server")
         ceilings = ceilings_in_child_process()  # before the server takes the device's memory
-        args = ["--dtype", dtype, "--kv-cache-gb", str(kv_cache_gb), "--max-num-seqs",
-                str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
-                "--decode-steps", str(decode_steps), "--page-size", str(page_size)]
+        args = ["--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
+                "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
+                str(max_num_batched_tokens), "--decode-steps", str(decode_steps),
+                "--page-size", str(page_size)]
+        if kv_cache_gb is not None:
+            args += ["--kv-cache-gb", str(kv_cache_gb)]
         args += ["--preset", preset] if preset else ["--model", model_path]
         if max_model_len:
             args += ["--max-model-len", str(max_model_len)]

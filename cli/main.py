@@ -19,7 +19,12 @@ import click
 
 from jaxinfer.cli.bench import bench as _bench_group
 from jaxinfer.cli.chat import COMMANDS, ChatHistory, read_lines, run_chat
-from jaxinfer.cli.parallel import join_job, parallel_options, scan_layers_option
+from jaxinfer.cli.parallel import (
+    join_job,
+    memory_utilization_option,
+    parallel_options,
+    scan_layers_option,
+)
 from jaxinfer.cli.plan import plan as _plan_command
 from jaxinfer.cli.serve import serve as _serve_command
 from jaxinfer.engine.request import MAX_LOGPROBS, Request, SamplingParams, TokenLogprob
@@ -87,6 +92,7 @@ class ModelChoice:
     dtype: str | None
     max_model_len: int | None
     kv_cache_gb: float | None
+    gpu_memory_utilization: float
     page_size: int
     decode_steps: int
     scan_layers: bool | None
@@ -106,7 +112,8 @@ class ModelChoice:
         return LLM(self.path, dtype=self.dtype, kv_cache_bytes=kv_bytes,
                    max_model_len=self.max_model_len, page_size=self.page_size,
                    max_num_seqs=1, decode_steps=self.decode_steps, mesh=self.mesh,
-                   scan_layers=self.scan_layers)
+                   scan_layers=self.scan_layers,
+                   gpu_memory_utilization=self.gpu_memory_utilization)
 
 
 # The memory / engine options keep `jaxinfer serve`'s names and help texts.
@@ -120,8 +127,10 @@ model_options = _packed([
                  help="Longest prompt + output (default: the model's context, capped by the "
                       "cache)."),
     click.option("--kv-cache-gb", default=None, type=click.FloatRange(min=0, min_open=True),
-                 help="Size of the paged KV cache in GiB (default: what one sequence of "
-                      "--max-model-len needs, at most 1)."),
+                 help="Size of the paged KV cache in GiB (default: on a GPU or TPU what "
+                      "--gpu-memory-utilization leaves after the weights and a step's reserve; "
+                      "on the CPU what one sequence of --max-model-len needs, at most 1)."),
+    memory_utilization_option,
     click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
                  help="Tokens per KV-cache page (prefix caching shares whole pages)."),
     click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),

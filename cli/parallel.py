@@ -6,8 +6,16 @@ import click
 import jax.numpy as jnp
 
 from jaxinfer.engine import multihost
+from jaxinfer.loading.plan import DEFAULT_MEMORY_UTILIZATION
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.sharding import MeshSpec
+
+memory_utilization_option = click.option(
+    "--gpu-memory-utilization", default=DEFAULT_MEMORY_UTILIZATION, show_default=True,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Share of each GPU's (or TPU's) memory the engine takes: the weights, a step's "
+         "reserve and, unless --kv-cache-gb says otherwise, the KV cache in the rest (vLLM's "
+         "flag; XLA_PYTHON_CLIENT_MEM_FRACTION, if set, bounds it).")
 
 scan_layers_option = click.option(
     "--scan-layers/--no-scan-layers", default=None,

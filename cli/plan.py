@@ -8,7 +8,7 @@ import json
 
 import click
 
-from jaxinfer.loading.plan import GiB, model_tensors, plan_memory
+from jaxinfer.loading.plan import DEFAULT_MEMORY_UTILIZATION, GiB, model_tensors, plan_memory
 from jaxinfer.sharding import MeshSpec
 
 
@@ -29,10 +29,11 @@ from jaxinfer.sharding import MeshSpec
 @click.option("--quantize", default=None, metavar="FORMAT",
               help="Plan the projections quantized as `jaxinfer convert --quantize FORMAT` "
                    "stores them (presets, HF / GGUF sources).")
-@click.option("--memory-fraction", default=0.9, show_default=True,
+@click.option("--gpu-memory-utilization", "--memory-fraction", "memory_fraction",
+              default=DEFAULT_MEMORY_UTILIZATION, show_default=True,
               type=click.FloatRange(0, 1, min_open=True),
-              help="Share of --hbm-gb the engine may use. JAX's allocator takes 0.75 unless "
-                   "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.")
+              help="Share of --hbm-gb the engine may use (as `serve --gpu-memory-utilization`, "
+                   "which sizes JAX's pool to it).")
 @click.option("--reserve-gb", default=None, type=click.FloatRange(min=0),
               help="Per-device room for a step's temporaries (default: an estimate from "
                    "--max-num-seqs and --max-num-batched-tokens, see jaxinfer.loading.plan).")

@@ -8,15 +8,17 @@ import time
 from pathlib import Path
 
 import click
-import jax
 
-from jaxinfer.cli.parallel import join_job, parallel_options, random_or_path, scan_layers_option
+from jaxinfer.cli.parallel import (
+    join_job,
+    memory_utilization_option,
+    parallel_options,
+    random_or_path,
+    scan_layers_option,
+)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM
-
-# On the CPU the cache is host memory beside the model and the compiler: 1 GiB holds 22k
-# tokens of the default SmolLM2 (float32).
-DEFAULT_KV_CACHE_GB, DEFAULT_CPU_KV_CACHE_GB = 4.0, 1.0
+from jaxinfer.loading.plan import set_memory_utilization
 
 
 def _seconds_since_process_start() -> float | None:
@@ -61,8 +63,11 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--max-num-batched-tokens", default=2048, show_default=True,
               type=click.IntRange(min=1))
 @click.option("--kv-cache-gb", default=None, type=click.FloatRange(min=0, min_open=True),
-              help=f"Size of the paged KV cache in GiB (default: {DEFAULT_KV_CACHE_GB} on a GPU "
-                   f"or TPU, {DEFAULT_CPU_KV_CACHE_GB} on the CPU).")
+              help="Size of the paged KV cache in GiB (default: on a GPU or TPU what "
+                   "--gpu-memory-utilization leaves after the weights and a step's reserve; "
+                   "on the CPU what --max-num-seqs sequences of --max-model-len need, at most "
+                   "1).")
+@memory_utilization_option
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2),
               help="Longest prompt + output (default: the model's context, capped by the cache).")
 @click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
@@ -73,8 +78,9 @@ def _bind(host: str, port: int) -> socket.socket:
 @scan_layers_option
 @parallel_options
 def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max_num_seqs,
-          max_num_batched_tokens, kv_cache_gb, max_model_len, decode_steps, page_size, no_warmup,
-          scan_layers, mesh, coordinator, num_processes, process_id):
+          max_num_batched_tokens, kv_cache_gb, gpu_memory_utilization, max_model_len,
+          decode_steps, page_size, no_warmup, scan_layers, mesh, coordinator, num_processes,
+          process_id):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
     start = time.perf_counter() - (_seconds_since_process_start() or 0.0)
@@ -86,6 +92,7 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
 
     if model_path and preset:
         raise JaxinferError("--model and --preset: give one, not both")
+    set_memory_utilization(gpu_memory_utilization)  # before JAX starts
     leader = join_job(coordinator, num_processes, process_id)
     sock = _bind(host, port) if leader else None  # only process 0 serves HTTP
     if sock is not None:
@@ -93,16 +100,17 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
         # backlog (then gets /health's 503 until warm-up is done), never a refusal.
         sock.listen(2048)
     model = random_or_path(model_path, preset, dtype, mesh)
-    if kv_cache_gb is None:
-        kv_cache_gb = (DEFAULT_CPU_KV_CACHE_GB if jax.default_backend() == "cpu"
-                       else DEFAULT_KV_CACHE_GB)
-    llm = LLM(model, dtype=None if preset else dtype, kv_cache_bytes=int(kv_cache_gb * 2**30),
+    llm = LLM(model, dtype=None if preset else dtype,
+              kv_cache_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
-              page_size=page_size, mesh=mesh, scan_layers=scan_layers)
+              page_size=page_size, mesh=mesh, scan_layers=scan_layers,
+              gpu_memory_utilization=gpu_memory_utilization)
     if not leader:  # runs process 0's steps until it exits
         llm.follow()
         return
+    if llm.kv_plan is not None:
+        click.echo(llm.kv_plan.format(page_size), err=True)
     name = served_model_name or preset or model_path or "SmolLM2-135M-Instruct"
     bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"

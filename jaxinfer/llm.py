@@ -19,13 +19,17 @@ from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.checkpoint import is_converted, load_model, open_source, shard_model
 from jaxinfer.loading.default_model import cache_dir, default_model_path
+from jaxinfer.loading.plan import (
+    DEFAULT_MEMORY_UTILIZATION,
+    plan_kv_cache,
+    set_memory_utilization,
+)
 from jaxinfer.loading.tokenizer import Tokenizer
 from jaxinfer.models import Decoder
 from jaxinfer.models.decoder import scan_layers as scan_layers_of
 from jaxinfer.sharding import MeshSpec
 
 MAX_PAGE_SIZE = 64  # the Mosaic attention kernel's smallest KV block (head_dim > 128)
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclasses.dataclass
@@ -71,10 +75,13 @@ class LLM:
     projections); one constructed directly keeps plain norms (the same function, HF's
     rounding).
 
-    kv_cache_bytes sizes the paged KV cache (None: what max_num_seqs sequences of
-    max_model_len need, at most DEFAULT_KV_CACHE_BYTES); max_model_len defaults to the
-    model's context, capped by what the cache holds; decode_steps > 1 runs that many
-    decode steps per host round trip when every running request is decoding.
+    kv_cache_bytes sizes the paged KV cache; None plans it (`plan_kv_cache`): on a GPU or
+    TPU, gpu_memory_utilization of each device's memory less the weights and a step's
+    reserve, which must hold one sequence of max_model_len (else a one-line error with the
+    figures); on the CPU, what max_num_seqs sequences of max_model_len need, at most 1 GiB.
+    max_model_len defaults to the model's context, capped by what a given kv_cache_bytes
+    holds; decode_steps > 1 runs that many decode steps per host round trip when every
+    running request is decoding.
     """
 
     engine: EngineInterface  # an Engine, or a ReplicatedEngine for dp replicas
@@ -83,7 +90,8 @@ class LLM:
                  page_size: int = 16, kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, decode_steps: int = 1,
-                 mesh: str | MeshSpec | None = None, scan_layers: bool | None = None):
+                 mesh: str | MeshSpec | None = None, scan_layers: bool | None = None,
+                 gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION):
         """`mesh` (e.g. "tp=2" or "tp=2,dp=2", see `jaxinfer.sharding`) splits the model over
         that many devices (all processes' devices, multi-host); kv_cache_bytes is per replica
         and counts every device's share. `scan_layers` runs the layers as a scan over
@@ -93,6 +101,7 @@ class LLM:
             raise JaxinferError(f"page_size {page_size}: a power of two up to {MAX_PAGE_SIZE} "
                                 "required (the attention kernels' KV blocks hold whole pages)")
         enable_compilation_cache()
+        set_memory_utilization(gpu_memory_utilization)  # if JAX has not started yet
         spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)
         meshes = spec.meshes()
         if isinstance(model, Decoder):  # e.g. a random-weight preset (jaxinfer.loading.presets)
@@ -118,9 +127,13 @@ class LLM:
         self.config = c = self.model.config
         itemsize = self.model.embed.embedding.dtype.itemsize
         page_bytes = page_size * c.kv_bytes_per_token(itemsize)
-        if kv_cache_bytes is None:  # a one-request CLI asks for a third of a GiB, not one
-            pages_per_seq = -(-(max_model_len or c.max_position_embeddings) // page_size)
-            kv_cache_bytes = min(DEFAULT_KV_CACHE_BYTES, max_num_seqs * pages_per_seq * page_bytes)
+        self.kv_plan = None  # the plan, where the cache was planned
+        if kv_cache_bytes is None:
+            self.kv_plan = plan_kv_cache(
+                self.model, meshes[0], page_size=page_size, max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                memory_utilization=gpu_memory_utilization, name=str(self.path or "the model"))
+            kv_cache_bytes = self.kv_plan.kv_cache_bytes
         num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)

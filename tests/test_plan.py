@@ -17,11 +17,19 @@ import pytest
 from click.testing import CliRunner
 from flax import nnx
 
+from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli.main import cli
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import checkpoint
-from jaxinfer.loading.plan import GiB, float_tensors, model_tensors, plan_memory
+from jaxinfer.loading import plan as plan_module
+from jaxinfer.loading.plan import (
+    KV_ROUNDING_BYTES,
+    GiB,
+    float_tensors,
+    model_tensors,
+    plan_memory,
+)
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.sharding import MeshSpec
 
@@ -129,7 +137,8 @@ def test_plan_arithmetic():
     config = preset_config("llama3-8b")
     plan = plan_memory(config, "tp=2", 141 * GiB, context=4096)
     assert plan.page_bytes == 2 * 32 * 16 * (8 // 2) * 128 * 2
-    assert plan.kv_bytes == plan.usable_bytes - plan.weight_bytes - plan.reserve_bytes
+    free = plan.usable_bytes - plan.weight_bytes - plan.reserve_bytes
+    assert plan.kv_bytes == free - free % KV_ROUNDING_BYTES
     assert plan.num_pages == plan.kv_bytes // plan.page_bytes - 1
     assert plan.max_seqs == plan.num_pages // 256 and plan.pages_per_seq == 256
     assert plan.kv_tokens == plan.num_pages * 16
@@ -142,7 +151,7 @@ def test_plan_arithmetic():
     assert int8["float32"] == int4["float32"] == scales
     with pytest.raises(JaxinferError, match="weights do not fit"):
         plan_memory(config, "tp=1", 10 * GiB)
-    with pytest.raises(JaxinferError, match="no room for the KV cache"):
+    with pytest.raises(JaxinferError, match="does not fit: weights .* GiB"):
         plan_memory(config, "tp=1", 16 * GiB, memory_fraction=1.0)
     with pytest.raises(JaxinferError, match="num_heads=32 is not divisible by tp=3"):
         plan_memory(config, "tp=3", 141 * GiB)
@@ -172,3 +181,74 @@ def test_cli(tmp_path):
         result = runner.invoke(cli, args)
         assert result.exit_code == 1, (bad, result.output)
         assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+# -- the LLM's own plan --------------------------------------------------------------------------
+
+
+class _FakeDevice:
+    def __init__(self, bytes_limit):
+        self.bytes_limit = bytes_limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.bytes_limit, "bytes_in_use": 0}
+
+
+def test_device_memory_is_the_utilization_within_jax_pool(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    pool = int(0.75 * 80 * GiB)  # JAX's default pool on an 80 GiB device
+    assert plan_module.device_memory_bytes(_FakeDevice(pool), 0.5)[0] == 40 * GiB
+    assert plan_module.device_memory_bytes(_FakeDevice(pool), 0.9)[0] == pool  # capped
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # as serve sets it
+    assert plan_module.device_memory_bytes(_FakeDevice(int(0.9 * 80 * GiB)), 0.9)[0] == \
+        int(0.9 * 80 * GiB)
+    assert plan_module.device_memory_bytes(jax.devices("cpu")[0], 0.9) is None
+
+
+@pytest.mark.parametrize("hbm_gib", [1.25, 3.0])
+def test_llm_plans_the_kv_cache_as_plan_does(monkeypatch, hbm_gib):
+    """With a fake accelerator of hbm_gib, LLM's planned pool is `jaxinfer plan`'s (the same
+    arithmetic), and the weights, the reserve and the allocated KV pages stay within it."""
+    hbm = int(hbm_gib * GiB)
+    monkeypatch.setattr(plan_module, "device_memory_bytes",
+                        lambda device, fraction: (int(hbm * fraction), "fake"))
+    config = preset_config("tiny")
+    seqs, tokens, fraction = 4, 256, 0.8
+    llm = LLM(random_model(config, jnp.float32), max_num_seqs=seqs,
+              max_num_batched_tokens=tokens, gpu_memory_utilization=fraction)
+    plan = plan_memory(config, "tp=1", hbm, dtype="float32", memory_fraction=fraction,
+                       max_num_seqs=seqs, max_num_batched_tokens=tokens)
+    assert llm.runner.num_pages == plan.num_pages > 0
+    kv = sum(x.nbytes for x in jax.tree.leaves(llm.runner.kv_cache))  # with the scratch page
+    assert plan.weight_bytes + plan.reserve_bytes + kv <= plan.usable_bytes
+
+
+def test_a_model_that_does_not_fit_is_one_line_before_any_compile(monkeypatch):
+    """Room for half of one max_model_len sequence: a one-line error with the figures."""
+    config = preset_config("tiny")
+    sizes = plan_memory(config, "tp=1", 64 * GiB, dtype="float32", max_num_seqs=8,
+                        max_num_batched_tokens=512)
+    usable = sizes.weight_bytes + sizes.reserve_bytes + 32 * sizes.page_bytes
+    monkeypatch.setattr(plan_module, "device_memory_bytes",
+                        lambda device, fraction: (usable, "0.9 of a fake device"))
+    with pytest.raises(JaxinferError) as e:
+        LLM(random_model(config, jnp.float32), max_model_len=1024)  # 64 pages of 16 tokens
+    message = str(e.value)
+    assert "\n" not in message and "does not fit" in message, message
+    assert "one sequence of 1024 tokens" in message and "0.9 of a fake device" in message
+    LLM(random_model(config, jnp.float32), max_model_len=256)  # 16 pages fit
+    # An explicit size is taken as it is.
+    llm = LLM(random_model(config, jnp.float32), kv_cache_bytes=1 << 20)
+    assert llm.runner.num_pages > 0
+
+
+@pytest.mark.gpu
+def test_planned_cache_stays_within_the_budget_on_the_gpu():
+    """Run alone (the peak is the process's): weights, KV pages and a step's peak fit the
+    planned share of the device."""
+    device = jax.devices()[0]
+    llm = LLM(random_model(preset_config("tiny"), jnp.bfloat16), gpu_memory_utilization=0.2,
+              max_num_seqs=8, max_num_batched_tokens=512)
+    llm.generate([[1, 2, 3] * 100], SamplingParams(max_tokens=32, ignore_eos=True))
+    usable, _ = plan_module.device_memory_bytes(device, 0.2)
+    assert device.memory_stats()["peak_bytes_in_use"] <= usable

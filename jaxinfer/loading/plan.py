@@ -15,6 +15,10 @@ Per device of one ep x tp replica (every dp replica is a copy, so dp changes not
             one more page than the engine uses (a scratch page), so the planner leaves room
             for it.
 
+`plan_kv_cache` applies the same arithmetic to a loaded model on real devices (what `LLM`
+does without kv_cache_bytes): usable is JAX's device memory pool (`device_memory_bytes`, which
+`set_memory_utilization` sizes before JAX starts), the weights are the loaded arrays' bytes.
+
 A page is one page on every device of the replica (each holds its KV heads' share of it), so
 pages, tokens and sequences are per replica; `kv_cache_bytes` is the `LLM(kv_cache_bytes=...)`
 (per replica, counting the KV heads of all tp devices) that gets exactly `num_pages`.
@@ -24,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import AbstractMesh
 from safetensors import safe_open
 
@@ -55,6 +61,14 @@ from jaxinfer.sharding import (
 GiB = 1 << 30
 WORKSPACE_BYTES = 512 << 20  # XLA / cuBLAS workspaces, compiled programs, a step's inputs
 DEFAULT_CONTEXT_CAP = 8192  # the default --context: the model's context, capped here
+# vLLM's gpu_memory_utilization: the share of each accelerator's memory the engine takes.
+DEFAULT_MEMORY_UTILIZATION = 0.9
+JAX_DEFAULT_MEM_FRACTION = 0.75  # JAX's pool when XLA_PYTHON_CLIENT_MEM_FRACTION is unset
+# The planned KV cache is rounded down to whole units of this much per device, so small
+# differences between runs (none are expected: the weights' bytes are their shapes') cannot
+# change its size, which the compiled programs are keyed on.
+KV_ROUNDING_BYTES = 64 << 20
+CPU_KV_CACHE_CAP = GiB  # the CPU's pool: what the sequences need, at most this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +110,7 @@ class MemoryPlan:
             f"per device   {self.hbm_bytes / GiB:.2f} GiB x {self.memory_fraction:g} = "
             f"{self.usable_bytes / GiB:.2f} GiB usable",
             f"  weights  {size(self.weight_bytes)}  ({dtypes})",
-            f"  reserve  {size(self.reserve_bytes)}  (workspace, activations, logits)",
+            f"  reserve  {size(self.reserve_bytes)}  (workspace, activations, logits, autotuning)",
             f"  KV cache {size(self.kv_bytes)}  ({self.kv_dtype}, {_size(self.page_bytes)} per "
             f"page of {self.page_size} tokens)",
             f"KV pages     {self.num_pages} ({self.kv_tokens} tokens; longest sequence "
@@ -142,27 +156,18 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
     placer = ParamPlacer(config, mesh, param_axes({k: t.axes for k, t in layout.items()}))
     weights = weight_bytes_per_device(placer, tensors)
     weight_total = sum(weights.values())
+    largest = largest_tensor_bytes_per_device(placer, tensors)
     run_config = sharded_config(config, spec.tp)
     kv_dtype = jnp.dtype(tensors["embed.embedding"].dtype)
     page_bytes = kv_page_bytes(run_config, page_size, kv_dtype, mesh)
     if reserve_bytes is None:
         reserve_bytes = default_reserve(run_config, spec.tp, max_num_seqs,
-                                        max_num_batched_tokens)
+                                        max_num_batched_tokens, largest)
     usable = int(hbm_bytes * memory_fraction)
-    where = f"{name} on {spec}"
-    if weight_total > usable:
-        raise JaxinferError(
-            f"{where}: the weights do not fit: {_size(weight_total)} per device, "
-            f"{_size(usable)} usable ({_size(hbm_bytes)} x {memory_fraction:g}); split them over "
-            "more devices (tp, ep) or quantize them")
-    kv_bytes = usable - weight_total - reserve_bytes
-    num_pages = kv_bytes // page_bytes - 1  # the runner adds a scratch page
-    if num_pages < 1:
-        raise JaxinferError(
-            f"{where}: no room for the KV cache: weights {_size(weight_total)} + "
-            f"reserve {_size(reserve_bytes)} per device leave less than 2 pages of "
-            f"{_size(page_bytes)} of the {_size(usable)} usable")
     pages_per_seq = -(-context // page_size)
+    kv_bytes, num_pages = kv_pages(
+        f"{name} on {spec}", usable, f"{_size(hbm_bytes)} x {memory_fraction:g}",
+        weight_total, reserve_bytes, page_bytes, 1)
     return MemoryPlan(
         model=name, mesh=str(spec), devices=spec.size, hbm_bytes=int(hbm_bytes),
         memory_fraction=memory_fraction, usable_bytes=usable,
@@ -173,6 +178,119 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
         max_model_len=min(config.max_position_embeddings, num_pages * page_size),
         context=context, pages_per_seq=pages_per_seq, max_seqs=num_pages // pages_per_seq,
         dp=spec.dp, kv_cache_bytes=num_pages * page_bytes * spec.tp)
+
+
+def kv_pages(where: str, usable: int, usable_from: str, weights: int, reserve: int,
+             page_bytes: int, min_pages: int, min_pages_for: str = "") -> tuple[int, int]:
+    """(KV bytes, pages) per device once weights and reserve are out of usable: the KV bytes
+    rounded down to KV_ROUNDING_BYTES, the pages they hold less the runner's scratch page.
+    Raises a one-line JaxinferError naming every figure when fewer than min_pages fit
+    (min_pages_for says what they are for)."""
+    if weights > usable:
+        raise JaxinferError(
+            f"{where}: the weights do not fit: {_size(weights)} per device, {_size(usable)} "
+            f"usable ({usable_from}); split them over more devices (tp, ep) or quantize them")
+    kv_bytes = usable - weights - reserve
+    if kv_bytes >= 2 * KV_ROUNDING_BYTES:
+        kv_bytes -= kv_bytes % KV_ROUNDING_BYTES
+    num_pages = max(kv_bytes, 0) // page_bytes - 1  # the runner adds a scratch page
+    if num_pages < min_pages:
+        need = (min_pages + 1) * page_bytes
+        raise JaxinferError(
+            f"{where}: does not fit: weights {_size(weights)} + activations and workspace "
+            f"{_size(reserve)} + KV cache {_size(need)} "
+            f"({min_pages_for or f'{min_pages} pages of {_size(page_bytes)}'}) per device, "
+            f"{_size(usable)} usable ({usable_from}); lower --max-model-len or "
+            "--max-num-batched-tokens, raise --gpu-memory-utilization, split the model over "
+            "more devices or quantize it")
+    return kv_bytes, num_pages
+
+
+def set_memory_utilization(fraction: float) -> None:
+    """Sizes JAX's device memory pool to `fraction` of each accelerator's memory (vLLM's
+    gpu_memory_utilization) through XLA_PYTHON_CLIENT_MEM_FRACTION: only before JAX starts
+    its backends, and only where the variable is unset (a user's own setting wins)."""
+    from jax._src import xla_bridge
+
+    if not 0 < fraction <= 1:
+        raise JaxinferError(f"--gpu-memory-utilization {fraction}: expected a share in (0, 1]")
+    if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ and \
+            not xla_bridge.backends_are_initialized():
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:g}"
+
+
+def device_memory_bytes(device: jax.Device, fraction: float) -> tuple[int, str] | None:
+    """(bytes the engine may use on `device`, how they were found): `fraction` of its memory,
+    within JAX's pool (`bytes_limit`, XLA_PYTHON_CLIENT_MEM_FRACTION of it, 0.75 unless
+    set); None where the device reports no memory (the CPU)."""
+    stats = device.memory_stats()
+    if not stats or not stats.get("bytes_limit"):
+        return None
+    pool = int(stats["bytes_limit"])
+    pool_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                         JAX_DEFAULT_MEM_FRACTION))
+    usable = min(pool, int(pool / pool_fraction * fraction))
+    return usable, (f"{fraction:g} of {_size(int(pool / pool_fraction))}"
+                    + (f", JAX's pool {_size(pool)}" if usable == pool else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    """What `plan_kv_cache` decided: bytes per device, pages per replica."""
+
+    kv_cache_bytes: int  # per replica, counting every tp device's share: LLM(kv_cache_bytes=)
+    num_pages: int
+    usable_bytes: int | None  # None on the CPU
+    usable_from: str
+    weight_bytes: int
+    reserve_bytes: int
+    page_bytes: int
+
+    def format(self, page_size: int) -> str:
+        """One line for the terminal (what vLLM prints as its GPU blocks)."""
+        kv = (self.num_pages + 1) * self.page_bytes
+        line = (f"KV cache {_size(kv)} per device: {self.num_pages} pages of {page_size} "
+                f"tokens ({self.num_pages * page_size} tokens)")
+        if self.usable_bytes is None:
+            return line + f"; {self.usable_from}"
+        return (line + f"; weights {_size(self.weight_bytes)}, reserve "
+                f"{_size(self.reserve_bytes)}, of {_size(self.usable_bytes)} usable "
+                f"({self.usable_from})")
+
+
+def plan_kv_cache(model, mesh: jax.sharding.Mesh, *, page_size: int, max_model_len: int | None,
+                  max_num_seqs: int, max_num_batched_tokens: int,
+                  memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+                  name: str = "the model") -> KVCachePlan:
+    """The KV cache of a loaded `model` (a `Decoder` on `mesh`, one replica) when the user
+    gives no size: on an accelerator, what its memory holds after the weights (their arrays'
+    bytes on the first device) and a step's reserve (`default_reserve`), which must take one
+    sequence of max_model_len (default: the model's context); on the CPU, what max_num_seqs
+    sequences of max_model_len need, at most CPU_KV_CACHE_CAP."""
+    c = model.config
+    tp = mesh_axis_size(mesh, "tp")
+    dtype = model.embed.embedding.dtype
+    page_bytes = kv_page_bytes(c, page_size, dtype, mesh)
+    pages_per_seq = -(-(max_model_len or c.max_position_embeddings) // page_size)
+    device = mesh.devices.flat[0]
+    shares = [math.ceil(shard.data.size * _bits(leaf.dtype) / 8)  # int4: two a byte
+              for leaf in jax.tree.leaves(nnx.state(model))
+              for shard in leaf.addressable_shards if shard.device == device]
+    weights = sum(shares)
+    memory = device_memory_bytes(device, memory_utilization)
+    if memory is None:
+        num_pages = min(max_num_seqs * pages_per_seq, CPU_KV_CACHE_CAP // page_bytes - 1)
+        return KVCachePlan(num_pages * page_bytes * tp, num_pages, None,
+                           f"{max_num_seqs} sequence{'s' * (max_num_seqs > 1)} of "
+                           f"{pages_per_seq * page_size} tokens, "
+                           f"at most {_size(CPU_KV_CACHE_CAP)}", weights, 0, page_bytes)
+    usable, usable_from = memory
+    reserve = default_reserve(c, tp, max_num_seqs, max_num_batched_tokens, max(shares))
+    _, num_pages = kv_pages(
+        f"{name} on {device.device_kind}", usable, usable_from, weights, reserve, page_bytes,
+        pages_per_seq, f"one sequence of {pages_per_seq * page_size} tokens")
+    return KVCachePlan(num_pages * page_bytes * tp, num_pages, usable, usable_from, weights,
+                       reserve, page_bytes)
 
 
 def _size(b: int) -> str:
@@ -214,6 +332,15 @@ def weight_bytes_per_device(placer: ParamPlacer, tensors: dict[str, jax.ShapeDty
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def largest_tensor_bytes_per_device(placer: ParamPlacer,
+                                    tensors: dict[str, jax.ShapeDtypeStruct]) -> int:
+    """One device's share of the largest of `tensors` once `placer` has laid it out."""
+    return max((shard_bytes(tuple(shape), t.dtype, placer.spec(key, tuple(shape)), placer.mesh)
+                for key, t in tensors.items()
+                for shape in [placer.final_shape(key, t.shape) if placer.needs_transform(key)
+                              else t.shape]), default=0)
+
+
 def kv_page_bytes(run_config: ModelConfig, page_size: int, dtype, mesh) -> int:
     """One page (a key and a value page in every layer) on one device; run_config: the
     config the model runs with (`sharded_config`)."""
@@ -223,7 +350,7 @@ def kv_page_bytes(run_config: ModelConfig, page_size: int, dtype, mesh) -> int:
 
 
 def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int = 64,
-                    max_num_batched_tokens: int = 2048) -> int:
+                    max_num_batched_tokens: int = 2048, largest_tensor_bytes: int = 0) -> int:
     """Memory kept free of weights and KV pages on each device, for a step's temporaries:
 
       512 MiB   XLA / cuBLAS workspaces, compiled programs, a step's inputs;
@@ -231,10 +358,15 @@ def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int = 64,
         output: q/k/v, gate_up of the dense MLP, or the routed copies of the MoE's
         gate_up) float32 values, twice (a layer's input and output are live together);
       + logits: max_num_seqs x vocab float32 values, four times (the logits and the
-        sampler's scaled / sorted / softmax copies).
+        sampler's scaled / sorted / softmax copies);
+      + GEMM autotuning: XLA times each GEMM's candidate kernels on fresh copies of its
+        operands while it compiles a program, the largest weight (`largest_tensor_bytes`,
+        one device's share) among them, plus a tenth for its red zones. Programs that
+        compile after the KV cache is allocated need that room: without it Qwen3-30B-A3B
+        on an H100 stopped with RESOURCE_EXHAUSTED at 609.5 MiB (its LM head, 594 MiB).
 
     For llama3-8b at tp=1 with the serve defaults (64 sequences, 2048 tokens) this is
-    about 1.1 GiB. A heuristic, not a measurement; pass reserve_bytes to override it.
+    about 2.3 GiB. A heuristic, not a measurement; pass reserve_bytes to override it.
     """
     c = run_config
     widths = [(c.num_heads + 2 * c.num_kv_heads) * c.head_dim // tp]
@@ -245,7 +377,7 @@ def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int = 64,
                        + 2 * c.shared_expert_intermediate_size) // tp)
     activations = max_num_batched_tokens * (c.hidden_size + max(widths)) * 4 * 2
     logits = max_num_seqs * c.vocab_size * 4 * 4
-    return WORKSPACE_BYTES + activations + logits
+    return WORKSPACE_BYTES + activations + logits + largest_tensor_bytes * 11 // 10
 
 
 # -- what a model would load ---------------------------------------------------------------------
