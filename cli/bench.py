@@ -132,6 +132,9 @@ def _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_nu
               gpu_memory_utilization=gpu_memory_utilization)
     if llm.kv_plan is not None:
         click.echo(llm.kv_plan.format(page_size), err=True)
+    # As a server does: its programs compile (XLA autotuning their GEMMs) before the KV
+    # cache takes the memory planned for it, and no measured step waits for a compile.
+    llm.warmup()
     return llm
 
 

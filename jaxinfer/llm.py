@@ -185,6 +185,7 @@ class LLM:
                         advance()
                 else:
                     runner.steps.compile_many(shapes, advance)
+                runner.allocate_kv_cache()  # now, after the compiles' GEMM autotuning
         return time.perf_counter() - start
 
     @property

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import subprocess
 import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -632,3 +634,25 @@ def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
     page = 2.0 ** -3 if case.kv_dtype else compute
     np.testing.assert_allclose(got_k, want_k, rtol=2 * page,
                                atol=4 * compute * np.abs(want_k).max())
+
+
+def test_a_runner_imports_its_platforms_kernels_before_loading_programs():
+    """Programs loaded from disk call into the kernels' runtimes, which their modules load
+    on import (Mosaic GPU's host symbols): on Hopper the runner imports them; on the CPU
+    none (they are imported on first use)."""
+    code = textwrap.dedent("""
+        import sys
+        import jaxinfer.ops.platform as platform
+        from jaxinfer.ops.registry import import_platform_kernels
+        assert import_platform_kernels() == []
+        assert not any(m.startswith("jaxinfer.mosaic.") for m in sys.modules)
+        platform.platform = lambda: "hopper"
+        names = import_platform_kernels()
+        assert set(names) == {"jaxinfer.mosaic.ragged_paged_attention",
+                              "jaxinfer.mosaic.quantized_matmul",
+                              "jaxinfer.mosaic.grouped_matmul"}, names
+        assert all(n in sys.modules for n in names)
+        assert "jax.experimental.mosaic.gpu" in sys.modules
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

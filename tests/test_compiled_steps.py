@@ -111,3 +111,37 @@ def test_a_failed_background_compile_is_tried_again_when_needed(cache):
         steps._programs[shape].result(timeout=120)
     _check(steps, shape)
     assert len(calls) == 2 and steps.num_on_demand == 1
+
+
+def test_a_compile_without_memory_to_autotune_falls_back_untuned(cache):
+    """On the GPU, a compile that runs out of memory autotuning its GEMMs (beside the KV
+    cache) compiles again with XLA's default GEMM configurations, kept in memory only."""
+    calls = []
+
+    class Lowered:
+        def __init__(self, lowered):
+            self.lowered = lowered
+
+        def compile(self, options=None):
+            calls.append(options)
+            if options is None:
+                raise jax.errors.JaxRuntimeError(
+                    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1018.00MiB")
+            return self.lowered.compile()  # the CPU has no autotune option to pass
+
+    class GPU:
+        platform = "gpu"
+
+    def lower(shape, x):
+        return Lowered(jax.jit(lambda x: (x * 3 + shape.num_tokens, jnp.sum(x))).trace(x)
+                       .lower())
+
+    steps = CompiledSteps("toy", lower, lambda s: (np.zeros(s.num_tokens, np.float32),),
+                          lambda s: jax.tree.structure((0, 0)), "toy-oom", [GPU()])
+    _check(steps, StepShape("sample", 8, 1, 4))
+    assert calls == [None, {"xla_gpu_autotune_level": 0}] and steps.num_compiled == 1
+    assert not list(cache.glob("*.jexe"))  # not kept: a warm-up with room tunes it
+    cpu = CompiledSteps("toy", lower, lambda s: (np.zeros(s.num_tokens, np.float32),),
+                        lambda s: jax.tree.structure((0, 0)), "toy-oom-cpu", jax.devices()[:1])
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        cpu.run(StepShape("sample", 8, 1, 4), np.zeros(8, np.float32))

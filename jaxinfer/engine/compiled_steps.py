@@ -218,7 +218,21 @@ class CompiledSteps:
                 return program
             except Exception as e:  # a stale or damaged file: compile it again
                 logger.warning("%s: cannot load %s (%s); compiling again", self.name, path, e)
-        program = self._lower(shape, *args).compile()
+        lowered = self._lower(shape, *args)
+        try:
+            program = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) or self._devices[0].platform != "gpu":
+                raise
+            # XLA times a GEMM's candidate kernels on fresh copies of its operands; beside an
+            # allocated KV cache (a program compiled after the warm-up) that room may be
+            # gone. XLA's default GEMM configurations need none. Kept in memory only, so a
+            # warm-up with room compiles it tuned.
+            logger.warning("%s: no memory left to autotune the GEMMs of %s; compiled "
+                           "untuned, for this process (warm up before serving: "
+                           "LLM.warmup)", self.name, shape)
+            program = lowered.compile({"xla_gpu_autotune_level": 0})
+            path = None
         with self._lock:
             self.num_compiled += 1
         if path is not None:

@@ -26,6 +26,7 @@ from jaxinfer.engine.sampling import SamplingTensors, logprobs_of, sample, token
 from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
+from jaxinfer.ops.registry import import_platform_kernels
 from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 
 # The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page
@@ -88,7 +89,10 @@ class DecodeLoopState(NamedTuple):
 
 class ModelRunner:
     """Runs batches on the model. The KV cache has num_pages + 1 pages: the last is a scratch
-    page that sequences finished in the middle of a multi-step decode write into."""
+    page that sequences finished in the middle of a multi-step decode write into. It is
+    allocated when first used (`kv_cache`): programs compile from its shapes alone
+    (`kv_avals`), so a warm-up compiles, and XLA autotunes its GEMMs on fresh copies of
+    their operands, before the pool takes the memory that planning left it."""
 
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None, max_num_seqs: int | None = None):
@@ -97,6 +101,7 @@ class ModelRunner:
         it comes, built by the loader (`jaxinfer.models.inference_form`). `max_num_seqs`:
         the engine's, whose bucket bounds a batch's sequence slots (`step_shape`); None: a
         batch has the bucket of its own sequences."""
+        import_platform_kernels()  # before a program is loaded from disk
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
         self.mesh = mesh or MeshSpec().meshes()[0]
@@ -118,8 +123,10 @@ class ModelRunner:
         # Committed to its devices like the step's outputs: an uncommitted first cache would
         # make the first call of each bucket compile a second time once the cache comes back.
         kv_sharding = NamedSharding(self.mesh, logical_to_mesh(KV_PAGES_AXES, shape, self.mesh))
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
-        self.kv_cache = [(zeros(), zeros()) for _ in range(pools)]
+        self._kv_zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
+        aval = jax.ShapeDtypeStruct(shape, dtype, sharding=kv_sharding)
+        self.kv_avals = [(aval, aval) for _ in range(pools)]
+        self._kv_cache = None
         # Outputs replicated, so every process (multi-host) can read them.
         jit = dict(donate_argnums=(0,), out_shardings=(NamedSharding(self.mesh, P()),
                                                        kv_sharding),
@@ -131,9 +138,24 @@ class ModelRunner:
                          self.mesh.axis_names, self.mesh.devices.shape,
                          [d.id for d in self.mesh.devices.flat],
                          [(x.shape, x.dtype, x.sharding) for x in self.state_leaves],
-                         [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(self.kv_cache)]))
+                         [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(self.kv_avals)]))
         self.steps = CompiledSteps("step", self.lower, self.example_args, self._out_tree,
                                    identity, self.mesh.devices.flat)
+
+    @property
+    def kv_cache(self) -> list:
+        """Per pool (k, v) pages, allocated (zeros) on first use."""
+        self.allocate_kv_cache()
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, pools: list):
+        self._kv_cache = pools
+
+    def allocate_kv_cache(self):
+        """Allocates the KV pages (zeros) unless they are."""
+        if self._kv_cache is None:
+            self._kv_cache = [(self._kv_zeros(), self._kv_zeros()) for _ in self.kv_avals]
 
     def lower(self, shape: StepShape, kv_cache, state_leaves, inputs) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh):
@@ -144,10 +166,10 @@ class ModelRunner:
                                            with_logprobs=shape.with_logprobs).lower()
 
     def example_args(self, shape: StepShape) -> tuple:
-        return self.kv_cache, self.state_leaves, self.empty_inputs(shape)
+        return self.kv_avals, self.state_leaves, self.empty_inputs(shape)
 
     def _out_tree(self, shape: StepShape):
-        kv = [tuple(0 for _ in layer) for layer in self.kv_cache]
+        kv = [tuple(0 for _ in layer) for layer in self.kv_avals]
         return jax.tree.structure((0 if shape.kind == "logits" else (0, 0, 0, 0), kv))
 
     def _model(self, state_leaves) -> Decoder:

@@ -272,7 +272,9 @@ def plan_kv_cache(model, mesh: jax.sharding.Mesh, *, page_size: int, max_model_l
     dtype = model.embed.embedding.dtype
     page_bytes = kv_page_bytes(c, page_size, dtype, mesh)
     pages_per_seq = -(-(max_model_len or c.max_position_embeddings) // page_size)
-    device = mesh.devices.flat[0]
+    # This process's first device of the mesh (each process of a multi-host job plans
+    # from its own: a replica's devices hold equal shares, and are one kind of chip).
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     shares = [math.ceil(shard.data.size * _bits(leaf.dtype) / 8)  # int4: two a byte
               for leaf in jax.tree.leaves(nnx.state(model))
               for shard in leaf.addressable_shards if shard.device == device]

@@ -37,8 +37,8 @@ from jaxinfer.ops.platform import needs
 from jaxinfer.ops.registry import Implementation, KernelModule, Registry
 from jaxinfer.ops.rope import QKPrologue
 
-mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.ragged_paged_attention")
-pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.ragged_paged_attention")
+mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.ragged_paged_attention", "hopper")
+pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.ragged_paged_attention", "tpu")
 
 # Steps of up to this many tokens use the Pallas GPU kernel on Hopper (bench/NOTES.md,
 # Ragged paged attention: Pallas GPU kernel for one-token steps; measured at batch-1

@@ -38,8 +38,8 @@ from jaxinfer.ops.grouped_matmul import (
 from jaxinfer.ops.platform import needs
 from jaxinfer.ops.registry import Implementation, KernelModule, Registry
 
-mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.grouped_matmul")
-pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.grouped_matmul")
+mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.grouped_matmul", "hopper")
+pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.grouped_matmul", "tpu")
 
 # Up to this many unsorted rows (one decode token's k rows) of float weights, Hopper
 # computes each row against its own group's weights as a gather, a multiply and a row

@@ -35,8 +35,8 @@ from jaxinfer.ops.platform import needs
 from jaxinfer.ops.quant import QuantizedWeight
 from jaxinfer.ops.registry import Implementation, KernelModule, Registry
 
-mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.quantized_matmul")
-pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.quantized_matmul")
+mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.quantized_matmul", "hopper")
+pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.quantized_matmul", "tpu")
 
 # Up to this many rows (tokens) the Mosaic kernel runs; above it the reference, whose dot
 # XLA fuses with the per-channel dequantisation (group-wise weights it dequantises into a

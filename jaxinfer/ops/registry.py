@@ -25,13 +25,35 @@ class KernelModule:
     """A kernel module imported on first use (`kernel.attr`): a registry names its kernels
     without importing them, so a platform whose entries all decline on the hardware check
     never imports the GPU and TPU lowerings (on the CPU, 0.3 s of every command's start).
-    A registry's `supports` must check the platform before it touches the module."""
+    A registry's `supports` must check the platform before it touches the module.
+    `platform` is the `jaxinfer.ops.platform.platform()` the kernel compiles on."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, platform: str):
+        self.name, self.platform = name, platform
+        _KERNEL_MODULES.append(self)
 
     def __getattr__(self, attr: str):
         return getattr(importlib.import_module(self.name), attr)
+
+
+_KERNEL_MODULES: list[KernelModule] = []
+
+
+def import_platform_kernels() -> list[str]:
+    """Imports the kernel modules of this process's platform; returns their names. A step
+    program loaded from disk, never traced here, calls into their runtimes: importing
+    Mosaic GPU loads the host symbols its kernels launch through
+    (`mosaic_gpu_launch_kernel`); without them XLA could not load such a program and it
+    compiled again."""
+    from jaxinfer.ops import attention_registry, grouped_matmul_registry, linear_registry
+    from jaxinfer.ops.platform import platform
+
+    del attention_registry, grouped_matmul_registry, linear_registry  # they name the kernels
+    here = platform()
+    names = [k.name for k in _KERNEL_MODULES if k.platform == here]
+    for name in names:
+        importlib.import_module(name)
+    return names
 
 
 @dataclasses.dataclass(frozen=True)

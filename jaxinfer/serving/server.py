@@ -437,7 +437,7 @@ def _collected(deltas, with_logprobs: bool) -> tuple[str, list[int], list | None
 def _model_info(llm) -> dict[str, float]:
     """The model's sizes for /metrics; `jaxinfer bench serve` computes its decode floor from
     them (the step_reads_* fields: `jaxinfer.loading.weights.StepReads`)."""
-    c, kv = llm.config, llm.runner.kv_cache[0][0]
+    c, kv = llm.config, llm.runner.kv_avals[0][0]
     return {"weight_bytes": weight_bytes(llm.model), "weight_count": weight_count(llm.model),
             "active_weight_count": active_weight_count(llm.model),
             **step_reads(llm.model).as_info(),
