@@ -31,7 +31,11 @@ from jaxinfer.benchmarks.harness import (
     roofline,
 )
 from jaxinfer.benchmarks.kernels import bench_kernels
-from jaxinfer.cli.parallel import memory_utilization_option, random_or_path
+from jaxinfer.cli.parallel import (
+    kv_cache_dtype_option,
+    memory_utilization_option,
+    random_or_path,
+)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.plan import set_memory_utilization
 from jaxinfer.loading.weights import StepReads
@@ -84,6 +88,7 @@ def _model_options(fn):
                           "int4:g128, fp8, ...), as `jaxinfer convert --quantize` would."),
         _kv_cache_option,
         memory_utilization_option,
+        kv_cache_dtype_option,
         _max_num_seqs_option,
         _max_num_batched_tokens_option,
         click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
@@ -120,8 +125,9 @@ def _check_model_args(model_path, preset, quantize):
         parse_format(quantize)
 
 
-def _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
-          max_num_batched_tokens, decode_steps, page_size, mesh=None, quantize=None):
+def _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, kv_cache_dtype,
+          max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh=None,
+          quantize=None):
     _check_model_args(model_path, preset, quantize)
     set_memory_utilization(gpu_memory_utilization)  # before JAX starts
     model = random_or_path(model_path, preset, dtype, mesh, quantize)
@@ -129,7 +135,7 @@ def _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_nu
               kv_cache_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               decode_steps=decode_steps, page_size=page_size, mesh=mesh,
-              gpu_memory_utilization=gpu_memory_utilization)
+              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
     if llm.kv_plan is not None:
         click.echo(llm.kv_plan.format(page_size), err=True)
     # As a server does: its programs compile (XLA autotuning their GEMMs) before the KV
@@ -196,14 +202,14 @@ def kernels(backend, small, json_path, record, profile, plot):
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed runs after the compiling one; the report gives their medians.")
 def latency(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utilization,
-            max_num_seqs, max_num_batched_tokens, decode_steps, page_size, json_path, record,
-            profile, mesh, batch, input_len, output_len, repeats):
+            kv_cache_dtype, max_num_seqs, max_num_batched_tokens, decode_steps, page_size,
+            json_path, record, profile, mesh, batch, input_len, output_len, repeats):
     """Time to first token and per-token decode time."""
     _check_model_args(model_path, preset, quantize)
     _check_outputs(json=json_path, record=record)
     ceilings = ceilings_in_child_process()
-    llm = _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
-                max_num_batched_tokens, decode_steps, page_size, mesh, quantize)
+    llm = _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, kv_cache_dtype,
+                max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh, quantize)
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings, repeats=repeats)
     headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
@@ -222,14 +228,14 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utiliza
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
               help="Tokens generated per request (EOS ignored).")
 def throughput(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utilization,
-               max_num_seqs, max_num_batched_tokens, decode_steps, page_size, json_path,
-               record, profile, mesh, num_requests, input_len, output_len):
+               kv_cache_dtype, max_num_seqs, max_num_batched_tokens, decode_steps, page_size,
+               json_path, record, profile, mesh, num_requests, input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
     _check_model_args(model_path, preset, quantize)
     _check_outputs(json=json_path, record=record)
     ceilings = ceilings_in_child_process()
-    llm = _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
-                max_num_batched_tokens, decode_steps, page_size, mesh, quantize)
+    llm = _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, kv_cache_dtype,
+                max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh, quantize)
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
     decode, roof = r["decode_tokens_per_s"], r["decode_roofline_tokens_per_s"]

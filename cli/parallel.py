@@ -17,6 +17,11 @@ memory_utilization_option = click.option(
          "reserve and, unless --kv-cache-gb says otherwise, the KV cache in the rest (vLLM's "
          "flag; XLA_PYTHON_CLIENT_MEM_FRACTION, if set, bounds it).")
 
+kv_cache_dtype_option = click.option(
+    "--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+    help="The KV cache's dtype: auto (the model's) or fp8 (float8_e4m3fn, scale 1: half the "
+         "bytes of bf16 a token, as vLLM's --kv-cache-dtype fp8).")
+
 scan_layers_option = click.option(
     "--scan-layers/--no-scan-layers", default=None,
     help="Run the layers as a scan over stacked weights: step programs compile in half the "

@@ -11,6 +11,7 @@ import click
 
 from jaxinfer.cli.parallel import (
     join_job,
+    kv_cache_dtype_option,
     memory_utilization_option,
     parallel_options,
     random_or_path,
@@ -68,6 +69,7 @@ def _bind(host: str, port: int) -> socket.socket:
                    "on the CPU what --max-num-seqs sequences of --max-model-len need, at most "
                    "1).")
 @memory_utilization_option
+@kv_cache_dtype_option
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2),
               help="Longest prompt + output (default: the model's context, capped by the cache).")
 @click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
@@ -78,7 +80,8 @@ def _bind(host: str, port: int) -> socket.socket:
 @scan_layers_option
 @parallel_options
 def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max_num_seqs,
-          max_num_batched_tokens, kv_cache_gb, gpu_memory_utilization, max_model_len,
+          max_num_batched_tokens, kv_cache_gb, gpu_memory_utilization, kv_cache_dtype,
+          max_model_len,
           decode_steps, page_size, no_warmup, scan_layers, mesh, coordinator, num_processes,
           process_id):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
@@ -105,7 +108,7 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
               page_size=page_size, mesh=mesh, scan_layers=scan_layers,
-              gpu_memory_utilization=gpu_memory_utilization)
+              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
     if not leader:  # runs process 0's steps until it exits
         llm.follow()
         return

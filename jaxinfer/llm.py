@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.engine import multihost
 from jaxinfer.engine.compiled_steps import executable_cache_dir
@@ -27,6 +28,7 @@ from jaxinfer.loading.plan import (
 from jaxinfer.loading.tokenizer import Tokenizer
 from jaxinfer.models import Decoder
 from jaxinfer.models.decoder import scan_layers as scan_layers_of
+from jaxinfer.ops.attention import FP8_KV_DTYPE
 from jaxinfer.sharding import MeshSpec
 
 MAX_PAGE_SIZE = 64  # the Mosaic attention kernel's smallest KV block (head_dim > 128)
@@ -57,6 +59,18 @@ def enable_compilation_cache():
     if not setting and executable_cache_dir() is not None:
         return
     jax.config.update("jax_compilation_cache_dir", setting or str(cache_dir() / "xla"))
+
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_cache_dtype_of(name: str, model_dtype) -> jnp.dtype:
+    """The KV pages' dtype for `--kv-cache-dtype` name: "auto" is the model's, "fp8"
+    float8_e4m3fn."""
+    if name not in KV_CACHE_DTYPES:
+        raise JaxinferError(f"kv_cache_dtype {name!r}: expected one of "
+                            f"{', '.join(KV_CACHE_DTYPES)}")
+    return jnp.dtype(model_dtype) if name == "auto" else jnp.dtype(FP8_KV_DTYPE)
 
 
 def default_scan_layers() -> bool:
@@ -91,12 +105,15 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, decode_steps: int = 1,
                  mesh: str | MeshSpec | None = None, scan_layers: bool | None = None,
-                 gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION):
+                 gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+                 kv_cache_dtype: str = "auto"):
         """`mesh` (e.g. "tp=2" or "tp=2,dp=2", see `jaxinfer.sharding`) splits the model over
         that many devices (all processes' devices, multi-host); kv_cache_bytes is per replica
         and counts every device's share. `scan_layers` runs the layers as a scan over
         stacked weights (`jaxinfer.models.decoder.scan_layers`): each step program compiles
-        one group of layers instead of all of them (None: `default_scan_layers()`)."""
+        one group of layers instead of all of them (None: `default_scan_layers()`).
+        `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (float8_e4m3fn pages, vLLM's
+        fp8 KV cache with scale 1: half the bytes of bf16 a token)."""
         if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
             raise JaxinferError(f"page_size {page_size}: a power of two up to {MAX_PAGE_SIZE} "
                                 "required (the attention kernels' KV blocks hold whole pages)")
@@ -125,14 +142,16 @@ class LLM:
             else:
                 self.tokenizer = None  # token-id prompts only
         self.config = c = self.model.config
-        itemsize = self.model.embed.embedding.dtype.itemsize
+        kv_dtype = kv_cache_dtype_of(kv_cache_dtype, self.model.embed.embedding.dtype)
+        itemsize = kv_dtype.itemsize
         page_bytes = page_size * c.kv_bytes_per_token(itemsize)
         self.kv_plan = None  # the plan, where the cache was planned
         if kv_cache_bytes is None:
             self.kv_plan = plan_kv_cache(
                 self.model, meshes[0], page_size=page_size, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                memory_utilization=gpu_memory_utilization, name=str(self.path or "the model"))
+                memory_utilization=gpu_memory_utilization, name=str(self.path or "the model"),
+                kv_dtype=kv_dtype)
             kv_cache_bytes = self.kv_plan.kv_cache_bytes
         num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
@@ -145,7 +164,7 @@ class LLM:
         engines = []
         for model_i, replica_mesh in zip(models, meshes, strict=True):
             runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,
-                                 replica_mesh, max_num_seqs)
+                                 replica_mesh, max_num_seqs, kv_dtype)
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
                                   max_num_batched_tokens, self.tokenizer, decode_steps))
         self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)

@@ -100,17 +100,25 @@ SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit
 
 
 def _fit_stages(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
-    """Lowers num_stages (to 2 at least) until the kernel's shared memory fits."""
+    """Lowers num_stages (to 2 at least), then halves block_kv (to 64 at least), until the
+    kernel's shared memory fits. Why block_kv: fp8 pages with two consumer warpgroups
+    (prefill) need each warpgroup's f16 copies of a K and a V block beside the pipeline:
+    head_dim 128 at 128 tokens a block is 260 KB with 2 stages."""
     qb, kvb = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
     out_b = 4 if cfg.num_splits > 1 else qb
-    fixed = cfg.compute_wgs * ROWS * head_dim * (qb + out_b) + 4096  # q, out, lse, barriers
-    if kvb == 1:  # fp8: per-warpgroup upcast copies of K and V
-        fixed += 2 * cfg.compute_wgs * cfg.block_kv * head_dim * qb
-    per_stage = 2 * cfg.block_kv * head_dim * kvb
-    stages = cfg.num_stages
-    while stages > 2 and fixed + stages * per_stage > SMEM_BYTES:
+
+    def smem(block_kv: int, stages: int) -> int:
+        fixed = cfg.compute_wgs * ROWS * head_dim * (qb + out_b) + 4096  # q, out, lse, bars
+        if kvb == 1:  # fp8: per-warpgroup upcast copies of K and V
+            fixed += 2 * cfg.compute_wgs * block_kv * head_dim * qb
+        return fixed + stages * 2 * block_kv * head_dim * kvb
+
+    block_kv, stages = cfg.block_kv, cfg.num_stages
+    while stages > 2 and smem(block_kv, stages) > SMEM_BYTES:
         stages -= 1
-    return dataclasses.replace(cfg, num_stages=stages)
+    while block_kv > 64 and smem(block_kv, stages) > SMEM_BYTES:
+        block_kv //= 2
+    return dataclasses.replace(cfg, num_stages=stages, block_kv=block_kv)
 
 
 def _work_list(md: AttentionMetadata, num_entries: int, tokens_per_block: int):
@@ -562,6 +570,7 @@ def attend_pages_mgpu(
                          f"page_size {page_size}")
 
     cfg = _fit_stages(cfg, D, q.dtype, k_pages.dtype)
+    bk = cfg.block_kv  # the fit may halve it
     page_indices = jnp.clip(md.page_indices, 0, num_pages - 1)
 
     tokens_per_block = cfg.compute_wgs * (cfg.tile_rows // G)

@@ -656,3 +656,23 @@ def test_a_runner_imports_its_platforms_kernels_before_loading_programs():
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_mosaic_fp8_prefill_config_fits_shared_memory():
+    """fp8 pages with two consumer warpgroups (a prefill-heavy step) at head_dim 128: 128-token
+    KV blocks need 260 KB of shared memory even at 2 stages; the fit halves the block."""
+    cfg = mosaic.choose_config(2048, 8, 8, 8192, 128, 4)
+    assert cfg.compute_wgs == 2 and cfg.block_kv == 128
+    bf16 = mosaic._fit_stages(cfg, 128, jnp.bfloat16, jnp.bfloat16)
+    fp8 = mosaic._fit_stages(cfg, 128, jnp.bfloat16, jnp.float8_e4m3fn)
+    assert bf16.block_kv == 128  # fits as it is
+    assert (fp8.block_kv, fp8.num_stages) == (64, 2)
+    # The kernel runs what the fit gives, not the block it was asked for (interpret mode
+    # here, the GPU with -m gpu): fp8 pages, a prefill-heavy step, asked for 128.
+    orig = mosaic.choose_config
+    mosaic.choose_config = lambda *a, **k: mosaic.Config(128, 2, 2, 1)
+    try:
+        check_against_oracle(dataclasses.replace(CASES["fp8_kv"], d=128), "mosaic_gpu",
+                             "gpu" if jax.default_backend() == "gpu" else "cpu")
+    finally:
+        mosaic.choose_config = orig

@@ -252,3 +252,22 @@ def test_planned_cache_stays_within_the_budget_on_the_gpu():
     llm.generate([[1, 2, 3] * 100], SamplingParams(max_tokens=32, ignore_eos=True))
     usable, _ = plan_module.device_memory_bytes(device, 0.2)
     assert device.memory_stats()["peak_bytes_in_use"] <= usable
+
+
+def test_fp8_kv_cache_holds_twice_the_pages_and_reads_back_close(monkeypatch):
+    """kv_cache_dtype="fp8": float8_e4m3fn pages, twice the pages of bf16 in one budget, and
+    the logits of a prompt read back through them close to the bf16 cache's."""
+    monkeypatch.setattr(plan_module, "device_memory_bytes",
+                        lambda device, fraction: (int(1.25 * GiB * fraction), "fake"))
+    model = random_model(preset_config("tiny"), jnp.bfloat16)
+    auto = LLM(model, max_num_seqs=4, max_num_batched_tokens=256)
+    fp8 = LLM(model, max_num_seqs=4, max_num_batched_tokens=256, kv_cache_dtype="fp8")
+    assert fp8.runner.kv_avals[0][0].dtype == jnp.float8_e4m3fn
+    assert auto.runner.kv_avals[0][0].dtype == jnp.bfloat16
+    assert fp8.runner.num_pages >= 2 * auto.runner.num_pages > 0
+    prompt = np.random.default_rng().integers(2, 200, 40).tolist()
+    a, b = (np.asarray(llm.logits([prompt])[0], np.float32) for llm in (auto, fp8))
+    assert np.isfinite(b).all() and not np.array_equal(a, b)  # the fp8 pages were read
+    assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.99
+    with pytest.raises(JaxinferError, match="kv_cache_dtype 'int4'"):
+        LLM(model, kv_cache_dtype="int4")

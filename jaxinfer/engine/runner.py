@@ -95,12 +95,15 @@ class ModelRunner:
     their operands, before the pool takes the memory that planning left it."""
 
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
-                 mesh: jax.sharding.Mesh | None = None, max_num_seqs: int | None = None):
+                 mesh: jax.sharding.Mesh | None = None, max_num_seqs: int | None = None,
+                 kv_dtype=None):
         """`mesh`: the one the model's parameters were placed on (`jaxinfer.sharding`);
         the KV cache is split over its KV heads like the k/v projections. The model runs as
         it comes, built by the loader (`jaxinfer.models.inference_form`). `max_num_seqs`:
         the engine's, whose bucket bounds a batch's sequence slots (`step_shape`); None: a
-        batch has the bucket of its own sequences."""
+        batch has the bucket of its own sequences. `kv_dtype`: the pages' dtype (default the
+        model's; float8_e4m3fn: fp8 pages, written as k and v clipped to e4m3 with scale 1,
+        `jaxinfer.ops.attention`)."""
         import_platform_kernels()  # before a program is loaded from disk
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
@@ -114,7 +117,7 @@ class ModelRunner:
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         self.state_leaves, self.state_treedef = jax.tree.flatten(state)
         self.eos_token_ids = tuple(c.eos_token_ids)
-        dtype = model.embed.embedding.dtype
+        dtype = model.embed.embedding.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
         # One (k, v) pair per pool, each holding `per_pool` layers' num_pages + 1 pages
         # (`Decoder.kv_cache_pools`: a pool a layer, or one a position of a scanned group).
         pools, self.layers_per_pool = model.kv_cache_pools

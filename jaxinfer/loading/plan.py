@@ -261,15 +261,16 @@ class KVCachePlan:
 def plan_kv_cache(model, mesh: jax.sharding.Mesh, *, page_size: int, max_model_len: int | None,
                   max_num_seqs: int, max_num_batched_tokens: int,
                   memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
-                  name: str = "the model") -> KVCachePlan:
+                  name: str = "the model", kv_dtype=None) -> KVCachePlan:
     """The KV cache of a loaded `model` (a `Decoder` on `mesh`, one replica) when the user
     gives no size: on an accelerator, what its memory holds after the weights (their arrays'
     bytes on the first device) and a step's reserve (`default_reserve`), which must take one
     sequence of max_model_len (default: the model's context); on the CPU, what max_num_seqs
-    sequences of max_model_len need, at most CPU_KV_CACHE_CAP."""
+    sequences of max_model_len need, at most CPU_KV_CACHE_CAP. kv_dtype: the pages' dtype
+    (default the model's)."""
     c = model.config
     tp = mesh_axis_size(mesh, "tp")
-    dtype = model.embed.embedding.dtype
+    dtype = model.embed.embedding.dtype if kv_dtype is None else kv_dtype
     page_bytes = kv_page_bytes(c, page_size, dtype, mesh)
     pages_per_seq = -(-(max_model_len or c.max_position_embeddings) // page_size)
     # This process's first device of the mesh (each process of a multi-host job plans
