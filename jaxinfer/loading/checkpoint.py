@@ -89,8 +89,8 @@ def _save_group(ocp, weights: Path, group: dict[str, jax.Array]):
     """One partial save of `group`: sub-byte arrays (int4 / fp4 values, one byte each in
     memory) zstd-compressed, the others as they are. Why not compress everything: a load
     then copies bytes instead of decompressing them (SmolLM2 in float32 on the CPU: 1.1 s
-    to 0.55 s), and zstd saves a tenth or less on weights stored at their own precision;
-    on sub-byte values it halves the file, the point of a 4-bit checkpoint."""
+    to 0.55 s, for 515 MB on disk instead of 277: its floats, widened from Q4_1, are what
+    zstd packed); on sub-byte values it halves the file, the point of a 4-bit checkpoint."""
     packed = {k: a for k, a in group.items() if jnp.dtype(a.dtype) in _SUB_BYTE_DTYPES}
     for part, compressed in ((packed, True), ({k: a for k, a in group.items()
                                                if k not in packed}, False)):
