@@ -650,7 +650,8 @@ def test_a_runner_imports_its_platforms_kernels_before_loading_programs():
         names = import_platform_kernels()
         assert set(names) == {"jaxinfer.mosaic.ragged_paged_attention",
                               "jaxinfer.mosaic.quantized_matmul",
-                              "jaxinfer.mosaic.grouped_matmul"}, names
+                              "jaxinfer.mosaic.grouped_matmul",
+                              "jaxinfer.pallas_kernels.ragged_paged_attention_gpu"}, names
         assert all(n in sys.modules for n in names)
         assert "jax.experimental.mosaic.gpu" in sys.modules
     """)

@@ -276,7 +276,7 @@ def plan_kv_cache(model, mesh: jax.sharding.Mesh, *, page_size: int, max_model_l
     # This process's first device of the mesh (each process of a multi-host job plans
     # from its own: a replica's devices hold equal shares, and are one kind of chip).
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    shares = [math.ceil(shard.data.size * _bits(leaf.dtype) / 8)  # int4: two a byte
+    shares = [array_bytes(shard.data.size, leaf.dtype)
               for leaf in jax.tree.leaves(nnx.state(model))
               for shard in leaf.addressable_shards if shard.device == device]
     weights = sum(shares)
@@ -307,7 +307,12 @@ def shard_bytes(shape, dtype, split, mesh) -> int:
     """Bytes of one device's shard of an array of `shape` split by mesh PartitionSpec `split`."""
     local = [d // mesh_axis_size(mesh, a) for d, a in zip(shape, tuple(split), strict=False)]
     local += list(shape[len(local):])
-    return math.ceil(math.prod(local) * _bits(dtype) / 8)
+    return array_bytes(math.prod(local), dtype)
+
+
+def array_bytes(num_elements: int, dtype) -> int:
+    """Bytes of num_elements of dtype on a device (4-bit types two a byte)."""
+    return math.ceil(num_elements * _bits(dtype) / 8)
 
 
 def _bits(dtype) -> int:
@@ -322,26 +327,33 @@ def _bits(dtype) -> int:
         return 8 * dtype.itemsize
 
 
+def _shard_bytes_by_tensor(placer: ParamPlacer, tensors: dict[str, jax.ShapeDtypeStruct]
+                           ) -> dict[str, tuple[str, int]]:
+    """key -> (dtype name, bytes of one device's shard) of `tensors` (as loaded) once
+    `placer` has laid them out on its mesh (an AbstractMesh will do)."""
+    out = {}
+    for key, t in tensors.items():
+        shape = placer.final_shape(key, t.shape) if placer.needs_transform(key) else t.shape
+        out[key] = (jnp.dtype(t.dtype).name, shard_bytes(
+            tuple(shape), t.dtype, placer.spec(key, tuple(shape)), placer.mesh))
+    return out
+
+
 def weight_bytes_per_device(placer: ParamPlacer, tensors: dict[str, jax.ShapeDtypeStruct]
                             ) -> dict[str, int]:
     """dtype name -> bytes of one device's shards of `tensors` (as loaded) once `placer` has
     laid them out on its mesh (an AbstractMesh will do), largest first."""
     out: dict[str, int] = {}
-    for key, t in tensors.items():
-        shape = placer.final_shape(key, t.shape) if placer.needs_transform(key) else t.shape
-        name = jnp.dtype(t.dtype).name
-        out[name] = out.get(name, 0) + shard_bytes(
-            tuple(shape), t.dtype, placer.spec(key, tuple(shape)), placer.mesh)
+    for name, size in _shard_bytes_by_tensor(placer, tensors).values():
+        out[name] = out.get(name, 0) + size
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def largest_tensor_bytes_per_device(placer: ParamPlacer,
                                     tensors: dict[str, jax.ShapeDtypeStruct]) -> int:
     """One device's share of the largest of `tensors` once `placer` has laid it out."""
-    return max((shard_bytes(tuple(shape), t.dtype, placer.spec(key, tuple(shape)), placer.mesh)
-                for key, t in tensors.items()
-                for shape in [placer.final_shape(key, t.shape) if placer.needs_transform(key)
-                              else t.shape]), default=0)
+    return max((size for _, size in _shard_bytes_by_tensor(placer, tensors).values()),
+               default=0)
 
 
 def kv_page_bytes(run_config: ModelConfig, page_size: int, dtype, mesh) -> int:

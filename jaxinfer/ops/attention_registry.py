@@ -22,8 +22,6 @@ forces one (tests, benchmarks); kernels then run in interpret mode off their har
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 
 from jaxinfer.ops.attention import (
@@ -39,6 +37,9 @@ from jaxinfer.ops.rope import QKPrologue
 
 mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.ragged_paged_attention", "hopper")
 pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.ragged_paged_attention", "tpu")
+# jax's Pallas Triton lowering is deprecated in jax 0.11: a jax without it skips the entry.
+pallas_gpu_kernel = KernelModule("jaxinfer.pallas_kernels.ragged_paged_attention_gpu", "hopper",
+                                 requires="jax.experimental.pallas.triton")
 
 # Steps of up to this many tokens use the Pallas GPU kernel on Hopper (bench/NOTES.md,
 # Ragged paged attention: Pallas GPU kernel for one-token steps; measured at batch-1
@@ -52,24 +53,13 @@ PALLAS_GPU_MAX_TOKENS = 1
 SPLIT_QKV, QK_NORM, ROPE = "split_qkv", "qk_norm", "rope"
 
 
-def _pallas_gpu_kernel():
-    """The Pallas GPU kernel's module, or None where this jax has no Pallas Triton lowering
-    (deprecated in jax 0.11: a jax without it skips the entry)."""
-    try:
-        return importlib.import_module("jaxinfer.pallas_kernels.ragged_paged_attention_gpu")
-    except ModuleNotFoundError as error:
-        if error.name != "jax.experimental.pallas.triton":
-            raise
-        return None
-
-
 def _pallas_gpu_supports(call: AttentionCall) -> str | None:
     if (reason := needs("hopper")) is not None:
         return reason
     if call.num_tokens > PALLAS_GPU_MAX_TOKENS:
         return (f"{call.num_tokens} tokens: more than PALLAS_GPU_MAX_TOKENS "
                 f"({PALLAS_GPU_MAX_TOKENS}), where the Mosaic kernel is faster")
-    if (kernel := _pallas_gpu_kernel()) is None:
+    if (kernel := pallas_gpu_kernel.module()) is None:
         return "this jax has no Pallas Triton lowering"
     return kernel.unsupported_reason(call.query, call.pages)
 
@@ -77,7 +67,7 @@ def _pallas_gpu_supports(call: AttentionCall) -> str | None:
 def _pallas_gpu_fuses(call: AttentionCall) -> tuple[str, ...]:
     """The kernel reads a fused projection in place and applies the prologue itself where
     it can (one token, pages in q's dtype: `fuses_prologue`); elsewhere XLA does both."""
-    kernel = _pallas_gpu_kernel()
+    kernel = pallas_gpu_kernel.module()
     if kernel is not None and kernel.fuses_prologue(call.query, call.pages):
         return (SPLIT_QKV, QK_NORM, ROPE)
     return ()
@@ -90,7 +80,7 @@ def _mosaic_gpu_supports(call: AttentionCall) -> str | None:
 def _pallas_gpu(*args, **kwargs):
     """`ragged_paged_attention_gpu`, or (a jax without the Triton lowering, where the entry
     supports no call) a one-line error when it is forced."""
-    if (kernel := _pallas_gpu_kernel()) is None:
+    if (kernel := pallas_gpu_kernel.module()) is None:
         raise ValueError("pallas_gpu attention: this jax has no Pallas Triton lowering")
     return kernel.ragged_paged_attention_gpu(*args, **kwargs)
 

@@ -26,11 +26,21 @@ class KernelModule:
     without importing them, so a platform whose entries all decline on the hardware check
     never imports the GPU and TPU lowerings (on the CPU, 0.3 s of every command's start).
     A registry's `supports` must check the platform before it touches the module.
-    `platform` is the `jaxinfer.ops.platform.platform()` the kernel compiles on."""
+    `platform` is the `jaxinfer.ops.platform.platform()` the kernel compiles on; `requires`
+    names a jax module the kernel needs that a jax may lack (then `module()` is None)."""
 
-    def __init__(self, name: str, platform: str):
-        self.name, self.platform = name, platform
+    def __init__(self, name: str, platform: str, requires: str | None = None):
+        self.name, self.platform, self.requires = name, platform, requires
         _KERNEL_MODULES.append(self)
+
+    def module(self):
+        """The kernel's module, or None where the jax module it `requires` is missing."""
+        try:
+            return importlib.import_module(self.name)
+        except ModuleNotFoundError as error:
+            if self.requires is None or error.name != self.requires:
+                raise
+            return None
 
     def __getattr__(self, attr: str):
         return getattr(importlib.import_module(self.name), attr)
@@ -50,10 +60,7 @@ def import_platform_kernels() -> list[str]:
 
     del attention_registry, grouped_matmul_registry, linear_registry  # they name the kernels
     here = platform()
-    names = [k.name for k in _KERNEL_MODULES if k.platform == here]
-    for name in names:
-        importlib.import_module(name)
-    return names
+    return [k.name for k in _KERNEL_MODULES if k.platform == here and k.module() is not None]
 
 
 @dataclasses.dataclass(frozen=True)
