@@ -18,7 +18,13 @@ from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine
 from jaxinfer.engine.request import Request, RequestDelta, SamplingParams, TokenLogprob
 from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner
 from jaxinfer.errors import JaxinferError
-from jaxinfer.loading.checkpoint import is_converted, load_model, open_source, shard_model
+from jaxinfer.loading.checkpoint import (
+    ConvertedCheckpoint,
+    is_converted,
+    load_model,
+    open_source,
+    shard_model,
+)
 from jaxinfer.loading.default_model import cache_dir, default_model_path
 from jaxinfer.loading.plan import (
     DEFAULT_MEMORY_UTILIZATION,
@@ -121,6 +127,8 @@ class LLM:
         set_memory_utilization(gpu_memory_utilization)  # if JAX has not started yet
         spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)
         meshes = spec.meshes()
+        scan = default_scan_layers() if scan_layers is None else scan_layers
+        self._model = self._weights = self._abstract_model = None
         if isinstance(model, Decoder):  # e.g. a random-weight preset (jaxinfer.loading.presets)
             self.path, self.tokenizer = None, None
             self.model = shard_model(model, meshes[0])
@@ -128,7 +136,17 @@ class LLM:
             if model is None:
                 model = default_model_path()
             self.path = Path(model)
-            if is_converted(self.path):
+            if (is_converted(self.path) and len(meshes) == 1 and not scan
+                    and jax.process_count() == 1):
+                # The weights load in the background, the runner makes its programs from
+                # their descriptions meanwhile (`ModelRunner`'s `weights`). The load does
+                # not wait for the KV cache's plan (nor does vLLM's): a plan that fails
+                # raises at once, and the load ends unused.
+                checkpoint = ConvertedCheckpoint(self.path, dtype, meshes[0])
+                self._weights = checkpoint.load_in_background()
+                self._abstract_model = checkpoint.abstract_model()
+                files = None
+            elif is_converted(self.path):
                 self.model = load_model(self.path, dtype=dtype, mesh=meshes[0])
                 files = None
             else:  # one read of the source for both weights and tokenizer
@@ -141,14 +159,15 @@ class LLM:
                 self.tokenizer = Tokenizer.from_files(files, self.path)
             else:
                 self.tokenizer = None  # token-id prompts only
-        self.config = c = self.model.config
-        kv_dtype = kv_cache_dtype_of(kv_cache_dtype, self.model.embed.embedding.dtype)
+        model = self._abstract_model or self.model  # its shapes decide what follows
+        self.config = c = model.config
+        kv_dtype = kv_cache_dtype_of(kv_cache_dtype, model.embed.embedding.dtype)
         itemsize = kv_dtype.itemsize
         page_bytes = page_size * c.kv_bytes_per_token(itemsize)
         self.kv_plan = None  # the plan, where the cache was planned
         if kv_cache_bytes is None:
             self.kv_plan = plan_kv_cache(
-                self.model, meshes[0], page_size=page_size, max_model_len=max_model_len,
+                model, meshes[0], page_size=page_size, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 memory_utilization=gpu_memory_utilization, name=str(self.path or "the model"),
                 kv_dtype=kv_dtype)
@@ -157,14 +176,14 @@ class LLM:
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)
         # dp replicas: copies of replica 0's weights, each on its own mesh.
-        models = [self.model] + [shard_model(self.model, m) for m in meshes[1:]]
-        if default_scan_layers() if scan_layers is None else scan_layers:
+        models = [model] + [shard_model(model, m) for m in meshes[1:]]
+        if scan:
             for model_i in models:
                 scan_layers_of(model_i)
         engines = []
         for model_i, replica_mesh in zip(models, meshes, strict=True):
             runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,
-                                 replica_mesh, max_num_seqs, kv_dtype)
+                                 replica_mesh, max_num_seqs, kv_dtype, self._weights)
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
                                   max_num_batched_tokens, self.tokenizer, decode_steps))
         self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
@@ -205,7 +224,19 @@ class LLM:
                 else:
                     runner.steps.compile_many(shapes, advance)
                 runner.allocate_kv_cache()  # now, after the compiles' GEMM autotuning
+        self.model  # noqa: B018  (ready means loaded: a failed load raises here)
         return time.perf_counter() - start
+
+    @property
+    def model(self) -> Decoder:
+        """The (first replica's) model, once its weights have loaded."""
+        if self._model is None:
+            self._model = self._weights.result()
+        return self._model
+
+    @model.setter
+    def model(self, model: Decoder):
+        self._model = model
 
     @property
     def runner(self) -> ModelRunner:

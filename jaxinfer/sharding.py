@@ -280,6 +280,9 @@ class ParamPlacer:
 
     def place(self, key: str, array) -> jax.Array:
         how = self._relayout(key)
+        if is_abstract(array):
+            shape = self.final_shape(key, array.shape)
+            return jax.ShapeDtypeStruct(shape, array.dtype, sharding=self.sharding(key, shape))
         if not isinstance(array, jax.Array):  # on the host: each device gets its slice
             array = np.asarray(array)
             if how:
@@ -338,10 +341,100 @@ def split_per_shard(array, sizes: tuple[int, ...], axis: int, shards: int, xp=jn
     return [xp.moveaxis(p.reshape(-1, *p.shape[2:]), 0, axis) for p in xp.split(a, ends, 1)]
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def join_per_shard_on_device(arrays, axis: int, shards: int, sharding):
-    """`join_per_shard` on the devices, the result placed with `sharding`."""
-    return jax.lax.with_sharding_constraint(join_per_shard(arrays, axis, shards, jnp), sharding)
+    """`join_per_shard` on the devices, the result placed with `sharding` (abstract arrays,
+    `jax.ShapeDtypeStruct`s: the result's shape, dtype and sharding)."""
+    if any(map(is_abstract, arrays)):
+        shape = list(arrays[0].shape)
+        shape[axis] = sum(a.shape[axis] for a in arrays)
+        return ArrayRecipe(tuple(shape), jnp.result_type(*arrays), sharding,
+                           _join_per_shard_op, (axis, shards), arrays)
+    return _join_per_shard_jit(tuple(arrays), axis, shards, sharding)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _join_per_shard_jit(arrays, axis: int, shards: int, sharding):
+    return jax.lax.with_sharding_constraint(_join_per_shard_op(arrays, axis, shards), sharding)
+
+
+def _join_per_shard_op(arrays, axis: int, shards: int):
+    return join_per_shard(arrays, axis, shards, jnp)
+
+
+class ArrayRecipe(jax.ShapeDtypeStruct):
+    """An array described (shape, dtype, sharding) with how to compute it: `op(inputs,
+    *static)`, a jax.numpy function of a tuple of arrays (each input a recipe itself), or
+    (op None) checkpoint tensor `key` as placed. A model built from recipes of its
+    checkpoint's tensors (`ConvertedCheckpoint`) holds recipes where it would hold arrays;
+    `realize` computes them once the tensors are read, without building the model again."""
+
+    def __init__(self, shape, dtype, sharding, op=None, static: tuple = (), inputs=(),
+                 key: str | None = None):
+        super().__init__(shape, dtype, sharding=sharding)
+        self.op, self.static, self.inputs, self.key = op, static, tuple(inputs), key
+
+
+def realize(recipes: list, tensors: dict) -> list:
+    """The arrays of `recipes` (ArrayRecipes, or values kept as they are) computed from
+    `tensors` (key -> placed array), which is consumed: each tensor is dropped once the last
+    recipe that reads it is computed, so a model's peak stays near one copy of it. A recipe
+    and the intermediate recipes only it reads run as one program (a join then a norm's
+    scale: one pass over the weights, one compile for all layers alike)."""
+    uses: dict[int, int] = {}
+
+    def count(r):
+        if isinstance(r, ArrayRecipe):
+            uses[id(r)] = uses.get(id(r), 0) + 1
+            if uses[id(r)] == 1:
+                for x in r.inputs:
+                    count(x)
+
+    for r in recipes:
+        count(r)
+    done: dict[int, object] = {}
+
+    def compute(r):
+        if not isinstance(r, ArrayRecipe):
+            return r
+        if id(r) not in done:
+            if r.op is None:
+                done[id(r)] = tensors.pop(r.key)
+            else:
+                arrays = []  # what the fused program reads
+
+                def expression(x):
+                    if isinstance(x, ArrayRecipe) and x.op is not None and uses[id(x)] == 1:
+                        return x.op, x.static, tuple(map(expression, x.inputs))
+                    arrays.append(compute(x))
+                    return len(arrays) - 1
+
+                fused = _fused_program(expression(r), r.sharding)
+                uses[id(r)] += 1  # expression(r) took r's own use
+                done[id(r)] = fused(*arrays)
+        uses[id(r)] -= 1
+        return done[id(r)] if uses[id(r)] else done.pop(id(r))
+
+    return [compute(r) for r in recipes]
+
+
+@functools.lru_cache(maxsize=64)
+def _fused_program(expression, sharding):
+    """A jitted function of the arrays an `realize` expression reads: (op, static,
+    (sub-expressions...)), or an int, the position of an argument."""
+    def evaluate(e, args):
+        if isinstance(e, int):
+            return args[e]
+        op, static, inputs = e
+        return op(tuple(evaluate(x, args) for x in inputs), *static)
+
+    return jax.jit(lambda *args: evaluate(expression, args), out_shardings=sharding)
+
+
+def is_abstract(x) -> bool:
+    """Whether x is an array's description (jax.ShapeDtypeStruct) rather than an array: a
+    model built before its weights are read (`jaxinfer.loading.checkpoint.ConvertedCheckpoint`)
+    holds those, and the functions that build one give them for them."""
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))

@@ -43,7 +43,7 @@ from jaxinfer.models.layers import (
 )
 from jaxinfer.models.moe import FoldedRouter
 from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
-from jaxinfer.sharding import P, split_per_shard
+from jaxinfer.sharding import P, is_abstract, split_per_shard
 
 # A quantized projection `key` (its values) comes with `key_scale` and, if asymmetric,
 # `key_offset` (the parts of a `QuantizedWeight`).
@@ -98,7 +98,9 @@ def inference_model(config: ModelConfig, params: dict[str, jax.Array],
     """The model of `config` in its inference form (see the module docstring), holding
     `params`: checkpoint key -> array, each placed on its devices (`ParamPlacer.place`), a
     quantized projection as its parts `key`, `key_scale`, `key_offset`. `params` is
-    consumed (emptied), so that each part's memory goes once its group is joined.
+    consumed (emptied), so that each part's memory goes once its group is joined. Given
+    jax.ShapeDtypeStructs (each with its sharding), the model holds the descriptions of
+    the arrays it would hold (`jaxinfer.loading.checkpoint.ConvertedCheckpoint`).
 
     activations: what fp8 weights take ("fp8": W8A8) or None. folded: the norms and
     routers (module paths, `folded_modules`) whose scales the weights in `params` hold
@@ -106,6 +108,7 @@ def inference_model(config: ModelConfig, params: dict[str, jax.Array],
     parameters): fold every norm that `foldable` allows.
     """
     dtype = params["embed.embedding"].dtype
+    abstract = is_abstract(params["embed.embedding"])
     model = abstract_module(lambda: Decoder(config, dtype=dtype, rngs=None))
     for path, group in _groups(model).items():
         in_axis = group.linears[0].axes[1]
@@ -121,14 +124,16 @@ def inference_model(config: ModelConfig, params: dict[str, jax.Array],
         key = _key(path)
         if key in params:
             flat.append((path, var.replace(params.pop(key))))
-        elif isinstance(var.get_value(), jax.ShapeDtypeStruct):
+        elif is_abstract(var.get_value()) and var.get_value().sharding is None:
+            # abstract_module's placeholder (an abstract parameter given is placed)
             raise ValueError(f"inference_model: no tensor {key}")
     if params:
         raise ValueError(f"inference_model: tensors the model has no place for: "
                          f"{sorted(params)[:3]}")
     nnx.update(model, nnx.State.from_flat_path(flat))
     _fold_norms(model, folded)
-    gc.collect()  # joined parts sit in nnx's reference cycles until collected
+    if not abstract:
+        gc.collect()  # joined parts sit in nnx's reference cycles until collected
     return model
 
 
@@ -154,14 +159,15 @@ def _fold_norms(model: Decoder, folded: frozenset[str] | None):
 
     for i, layer in enumerate(model.layers):
         norm = layer.input_norm
-        if folds(f"layers.{i}.input_norm", layer.attn.qkv_proj.linears, norm.scale[...]):
+        if folds(f"layers.{i}.input_norm", layer.attn.qkv_proj.linears, norm.scale.get_value()):
             layer.input_norm = FoldedRMSNorm.of(norm)
         norm, mlp = layer.post_attn_norm, layer.mlp
         if isinstance(mlp, MLP):
-            if folds(f"layers.{i}.post_attn_norm", mlp.gate_up_proj.linears, norm.scale[...]):
+            if folds(f"layers.{i}.post_attn_norm", mlp.gate_up_proj.linears,
+                     norm.scale.get_value()):
                 layer.post_attn_norm = FoldedRMSNorm.of(norm)
         elif mlp.router.bias is None and folds(f"layers.{i}.mlp.router", [mlp.router],
-                                               norm.scale[...]):
+                                               norm.scale.get_value()):
             mlp.router = FoldedRouter.of(mlp.router)
 
 

@@ -32,8 +32,10 @@ from jaxinfer.ops.linear_registry import linear
 from jaxinfer.ops.quant import QuantizedWeight
 from jaxinfer.ops.rope import QKPrologue, inverse_rms, scale_normed
 from jaxinfer.sharding import (
+    ArrayRecipe,
     P,
     current_mesh,
+    is_abstract,
     join_per_shard_on_device,
     reduce_over,
     shard_map_logical,
@@ -128,12 +130,13 @@ class Linear(nnx.Module):
         layer then computes on x what it computed on x * scale (`FoldedRMSNorm`). In
         float32, rounded back to the weight's dtype and placed like it; in bf16 that rounds
         W * scale where HF rounds the scaled activations: as accurate, not bit-identical."""
-        w = self.weight[...]
+        w = self.weight.get_value()
         self.weight = nnx.Param(_scale_columns(w, scale, w.sharding), axes=self.axes)
 
     def quantized_weight(self) -> QuantizedWeight:
-        offset = None if self.weight_offset is None else self.weight_offset[...]
-        return QuantizedWeight(self.weight[...], self.weight_scale[...], offset, self.activations)
+        offset = None if self.weight_offset is None else self.weight_offset.get_value()
+        return QuantizedWeight(self.weight.get_value(), self.weight_scale.get_value(), offset,
+                               self.activations)
 
     def weight_and_axes(self):
         """(the float weight or QuantizedWeight, a matching pytree of logical axes)."""
@@ -195,7 +198,7 @@ def join_linears(parts: list[Linear]) -> Linear | None:
     """
     def tensors(layer: Linear):
         w = layer.quantized_weight() if layer.quantized else None
-        return ([layer.weight[...]] if w is None else
+        return ([layer.weight.get_value()] if w is None else
                 [w.values, w.scales] + ([] if w.offsets is None else [w.offsets]))
 
     def signature(layer: Linear):
@@ -227,9 +230,10 @@ def join_linears(parts: list[Linear]) -> Linear | None:
         if len(joined) > 2:
             first.weight_offset = nnx.Param(joined[2], axes=parts_axes)
     if first.bias is not None:
-        bias = first.bias[...]
+        bias = first.bias.get_value()
         first.bias = nnx.Param(join_per_shard_on_device(
-            tuple(lay.bias[...] for lay in parts), 0, shards, bias.sharding), axes=P(axes[0]))
+            tuple(lay.bias.get_value() for lay in parts), 0, shards, bias.sharding),
+            axes=P(axes[0]))
     return first
 
 
@@ -335,7 +339,7 @@ class FoldedRMSNorm(RMSNorm):
         scale = norm.scale
         folded = abstract_module(lambda: cls(scale.shape[0], eps=norm.eps, dtype=scale.dtype,
                                              axes=scale.get_metadata()["axes"]))
-        folded.scale = nnx.Param(scale[...], axes=scale.get_metadata()["axes"])
+        folded.scale = nnx.Param(scale.get_value(), axes=scale.get_metadata()["axes"])
         return folded
 
     def projection_input(self, x):
@@ -343,11 +347,21 @@ class FoldedRMSNorm(RMSNorm):
         return x, self.inv_rms(x)
 
 
-@functools.partial(jax.jit, static_argnums=2)
 def _scale_columns(w, scale, sharding):
     """w [N, K] * scale [K] in float32, back in w's dtype, placed like w (`sharding`)."""
-    out = (w.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(w.dtype)
-    return jax.lax.with_sharding_constraint(out, sharding)
+    if is_abstract(w):
+        return ArrayRecipe(w.shape, w.dtype, sharding, _scaled_columns, (), (w, scale))
+    return _scale_columns_jit(w, scale, sharding)
+
+
+def _scaled_columns(arrays):
+    w, scale = arrays
+    return (w.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(w.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _scale_columns_jit(w, scale, sharding):
+    return jax.lax.with_sharding_constraint(_scaled_columns((w, scale)), sharding)
 
 
 class Attention(nnx.Module):

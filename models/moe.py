@@ -159,7 +159,7 @@ class FoldedRouter(Router):
         w, axes = router.weight, router.axes
         folded = abstract_module(lambda: cls(w.shape[1], w.shape[0], axes=axes, bias=False,
                                              dtype=w.dtype, rngs=None))
-        folded.weight = nnx.Param(w[...], axes=axes)
+        folded.weight = nnx.Param(w.get_value(), axes=axes)
         return folded
 
     def logits(self, x, raw=None):

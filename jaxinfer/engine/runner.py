@@ -9,6 +9,7 @@ or loaded from disk) and reuses. The KV cache is donated so XLA updates the page
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import NamedTuple
 
@@ -96,10 +97,13 @@ class ModelRunner:
 
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None, max_num_seqs: int | None = None,
-                 kv_dtype=None):
+                 kv_dtype=None, weights: concurrent.futures.Future | None = None):
         """`mesh`: the one the model's parameters were placed on (`jaxinfer.sharding`);
         the KV cache is split over its KV heads like the k/v projections. The model runs as
-        it comes, built by the loader (`jaxinfer.models.inference_form`). `max_num_seqs`:
+        it comes, built by the loader (`jaxinfer.models.inference_form`). `weights`: a
+        future of the model while it loads, `model` then its abstract form (arrays
+        described, `ConvertedCheckpoint.abstract_model`): programs are made from the
+        descriptions meanwhile, and the first step waits for the weights. `max_num_seqs`:
         the engine's, whose bucket bounds a batch's sequence slots (`step_shape`); None: a
         batch has the bucket of its own sequences. `kv_dtype`: the pages' dtype (default the
         model's; float8_e4m3fn: fp8 pages, written as k and v clipped to e4m3 with scale 1,
@@ -115,7 +119,12 @@ class ModelRunner:
         self.max_seq_slots = None if max_num_seqs is None else bucket(max_num_seqs, 1)
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
-        self.state_leaves, self.state_treedef = jax.tree.flatten(state)
+        leaves, self.state_treedef = jax.tree.flatten(state)
+        # What the programs are made from: the parameters' shapes, dtypes and shardings.
+        self.state_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                            for x in leaves]
+        self._state_leaves = None if weights is not None else leaves
+        self._weights = weights
         self.eos_token_ids = tuple(c.eos_token_ids)
         dtype = model.embed.embedding.dtype if kv_dtype is None else jnp.dtype(kv_dtype)
         # One (k, v) pair per pool, each holding `per_pool` layers' num_pages + 1 pages
@@ -140,10 +149,24 @@ class ModelRunner:
         identity = repr((c, self.eos_token_ids, page_size, num_pages, jit["compiler_options"],
                          self.mesh.axis_names, self.mesh.devices.shape,
                          [d.id for d in self.mesh.devices.flat],
-                         [(x.shape, x.dtype, x.sharding) for x in self.state_leaves],
+                         [(x.shape, x.dtype, x.sharding) for x in self.state_avals],
                          [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(self.kv_avals)]))
         self.steps = CompiledSteps("step", self.lower, self.example_args, self._out_tree,
                                    identity, self.mesh.devices.flat)
+
+    @property
+    def state_leaves(self) -> list[jax.Array]:
+        """The model's parameters (flattened state), waiting for them if they load."""
+        if self._state_leaves is None:
+            model = self._weights.result()  # raises the load's error
+            leaves, treedef = jax.tree.flatten(nnx.state(model))
+            if treedef != self.state_treedef or [
+                    (x.shape, x.dtype, x.sharding) for x in leaves] != [
+                    (a.shape, a.dtype, a.sharding) for a in self.state_avals]:
+                raise RuntimeError("the loaded model differs from the abstract model its "
+                                   "programs were made for")
+            self._state_leaves = leaves
+        return self._state_leaves
 
     @property
     def kv_cache(self) -> list:
@@ -169,7 +192,7 @@ class ModelRunner:
                                            with_logprobs=shape.with_logprobs).lower()
 
     def example_args(self, shape: StepShape) -> tuple:
-        return self.kv_avals, self.state_leaves, self.empty_inputs(shape)
+        return self.kv_avals, self.state_avals, self.empty_inputs(shape)
 
     def _out_tree(self, shape: StepShape):
         kv = [tuple(0 for _ in layer) for layer in self.kv_avals]
@@ -417,8 +440,12 @@ class ModelRunner:
              with_logprobs: bool = False):
         shape = self.shape_of(inputs, kind, num_steps, with_logprobs)
         with jax.set_mesh(self.mesh):
-            out, self.kv_cache = self.steps.run(
-                shape, self.kv_cache, self.state_leaves, multihost.to_global(inputs, self.mesh))
+            # The program first: it loads (or compiles) while the weights may still be
+            # loading (`weights`), the KV pages next, then the weights are waited for.
+            program = self.steps.program(shape)
+            kv_cache = self.kv_cache
+            out, self.kv_cache = program(kv_cache, self.state_leaves,
+                                         multihost.to_global(inputs, self.mesh))
         return out
 
     @staticmethod

@@ -29,6 +29,7 @@ directory of a killed convert is removed by the next convert into the same OUT.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import glob
@@ -63,12 +64,14 @@ from jaxinfer.models.layers import is_quantizable
 from jaxinfer.ops.quant import VALUE_DTYPES, QuantFormat, QuantizedWeight, parse_format
 from jaxinfer.ops.quant import quantize as quantize_weight
 from jaxinfer.sharding import (
+    ArrayRecipe,
     MeshSpec,
     ParamPlacer,
     layout_tp,
     logical_to_mesh,
     mesh_axis_size,
     param_axes,
+    realize,
     sharded_config,
 )
 
@@ -296,36 +299,93 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
     else:
         path, source = Path(path), None
     if is_converted(path):
-        config = ModelConfig.from_json_file(path / CONFIG_FILE)
-        placer = model_placer(config, mesh, path)
-        activations = _activations(config, path / CONFIG_FILE)
-        weights_dir = path / WEIGHTS_DIR
-        ocp = _ocp()
+        return ConvertedCheckpoint(path, dtype, mesh).load()
+    source = source or open_source(path)
+    config = source.config
+    placer = model_placer(config, mesh, path)
+    np_dtype = DTYPES[dtype or "bfloat16"]
+    params = {k: placer.place(k, a) for k, a in _checked_tensors(source, config, np_dtype)}
+    if any(k.endswith(SCALE) for k in params):  # a GGUF's or MXFP4 checkpoint's own
+        config = dataclasses.replace(config, quantization=source.native_quantization)
+    return inference_model(sharded_config(config, placer.tp), params)
+
+
+class ConvertedCheckpoint:
+    """A converted checkpoint opened for loading on `mesh`: its config and stored tensors'
+    metadata read and checked (a mismatch raises here), nothing else read yet.
+
+    `load()` reads the tensors and builds the model. `abstract_model()` is that model with
+    an `ArrayRecipe` where each array will be (its form decided by the metadata alone): what
+    a model runner needs to make its programs, so they load or compile while the tensors
+    are read (`load_in_background`, `jaxinfer.llm.LLM`)."""
+
+    def __init__(self, path: Path, dtype: str | None, mesh: jax.sharding.Mesh):
+        self.path, self.weights_dir = path, path / WEIGHTS_DIR
+        self.config = ModelConfig.from_json_file(path / CONFIG_FILE)
+        self.placer = model_placer(self.config, mesh, path)
+        self.activations = _activations(self.config, path / CONFIG_FILE)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                stored = ocp.metadata(weights_dir.absolute()).metadata  # Orbax: absolute
-                _check_stored(weights_dir, expected_shapes(config), stored)
-                abstract = {k: jax.ShapeDtypeStruct(m.shape, _restore_dtype(k, m.dtype, dtype,
-                                                                            stored),
-                                                    sharding=placer.sharding(k, m.shape))
-                            for k, m in stored.items()}
-                params = ocp.load(weights_dir.absolute(), abstract)
-        except JaxinferError:
-            raise
+                # Orbax takes absolute paths.
+                stored = _ocp().metadata(self.weights_dir.absolute()).metadata
         except Exception as e:
-            raise JaxinferError(f"{weights_dir}: cannot read checkpoint ({e})") from None
-        params = {k: placer.place(k, a) for k, a in params.items()}
-    else:
-        source = source or open_source(path)
-        config = source.config
-        placer = model_placer(config, mesh, path)
-        np_dtype = DTYPES[dtype or "bfloat16"]
-        params = {k: placer.place(k, a) for k, a in _checked_tensors(source, config, np_dtype)}
-        if any(k.endswith(SCALE) for k in params):  # a GGUF's or MXFP4 checkpoint's own
-            config = dataclasses.replace(config, quantization=source.native_quantization)
-        activations = None
-    return inference_model(sharded_config(config, placer.tp), params, activations)
+            raise JaxinferError(f"{self.weights_dir}: cannot read checkpoint ({e})") from None
+        _check_stored(self.weights_dir, expected_shapes(self.config), stored)
+        # As stored, each array restored straight into its placement.
+        self._stored = {k: jax.ShapeDtypeStruct(m.shape, _restore_dtype(k, m.dtype, dtype,
+                                                                         stored),
+                                                sharding=self.placer.sharding(k, m.shape))
+                        for k, m in stored.items()}
+        self._abstract: concurrent.futures.Future = concurrent.futures.Future()
+
+    def abstract_model(self) -> Decoder:
+        """The model with an ArrayRecipe for each array (`jaxinfer.sharding.realize`)."""
+        def recipe(key, stored):
+            placed = self.placer.place(key, stored)
+            return ArrayRecipe(placed.shape, placed.dtype, placed.sharding, key=key)
+
+        try:
+            model = self._build({k: recipe(k, a) for k, a in self._stored.items()})
+        except BaseException as e:
+            self._abstract.set_exception(e)  # a background load waits for it
+            raise
+        self._abstract.set_result(model)
+        return model
+
+    def load(self) -> Decoder:
+        """Reads every tensor onto its devices and builds the model."""
+        return self._build(self._read())
+
+    def load_in_background(self) -> concurrent.futures.Future:
+        """Starts reading the tensors on a thread, and returns the future of the model:
+        `abstract_model()`'s, its recipes realized (so call that: the thread waits for it
+        once the tensors are read)."""
+        def load() -> Decoder:
+            params = self._read()
+            graphdef, state = nnx.split(self._abstract.result())
+            recipes, treedef = jax.tree.flatten(state)
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, realize(recipes, params)))
+
+        loader = concurrent.futures.ThreadPoolExecutor(1, "load-weights")
+        try:
+            return loader.submit(load)
+        finally:
+            loader.shutdown(wait=False)
+
+    def _read(self) -> dict[str, jax.Array]:
+        """key -> tensor, placed (`ParamPlacer.place`)."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                params = _ocp().load(self.weights_dir.absolute(), self._stored)
+        except Exception as e:
+            raise JaxinferError(f"{self.weights_dir}: cannot read checkpoint ({e})") from None
+        return {k: self.placer.place(k, a) for k, a in params.items()}
+
+    def _build(self, params: dict) -> Decoder:
+        return inference_model(sharded_config(self.config, self.placer.tp), params,
+                               self.activations)
 
 
 def model_placer(config: ModelConfig, mesh: jax.sharding.Mesh, where="the model"

@@ -262,7 +262,8 @@ def plan_kv_cache(model, mesh: jax.sharding.Mesh, *, page_size: int, max_model_l
                   max_num_seqs: int, max_num_batched_tokens: int,
                   memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
                   name: str = "the model", kv_dtype=None) -> KVCachePlan:
-    """The KV cache of a loaded `model` (a `Decoder` on `mesh`, one replica) when the user
+    """The KV cache of `model` (a `Decoder` on `mesh`, one replica, loaded or its abstract
+    form: its arrays described, `ConvertedCheckpoint.abstract_model`) when the user
     gives no size: on an accelerator, what its memory holds after the weights (their arrays'
     bytes on the first device) and a step's reserve (`default_reserve`), which must take one
     sequence of max_model_len (default: the model's context); on the CPU, what max_num_seqs
@@ -276,9 +277,8 @@ def plan_kv_cache(model, mesh: jax.sharding.Mesh, *, page_size: int, max_model_l
     # This process's first device of the mesh (each process of a multi-host job plans
     # from its own: a replica's devices hold equal shares, and are one kind of chip).
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    shares = [array_bytes(shard.data.size, leaf.dtype)
-              for leaf in jax.tree.leaves(nnx.state(model))
-              for shard in leaf.addressable_shards if shard.device == device]
+    shares = [array_bytes(math.prod(leaf.sharding.shard_shape(leaf.shape)), leaf.dtype)
+              for leaf in jax.tree.leaves(nnx.state(model)) if device in leaf.sharding.device_set]
     weights = sum(shares)
     memory = device_memory_bytes(device, memory_utilization)
     if memory is None:
