@@ -137,11 +137,13 @@ class LLM:
                 model = default_model_path()
             self.path = Path(model)
             if (is_converted(self.path) and len(meshes) == 1 and not scan
-                    and jax.process_count() == 1):
+                    and jax.process_count() == 1 and meshes[0].devices.flat[0].platform == "cpu"):
                 # The weights load in the background, the runner makes its programs from
                 # their descriptions meanwhile (`ModelRunner`'s `weights`). The load does
                 # not wait for the KV cache's plan (nor does vLLM's): a plan that fails
-                # raises at once, and the load ends unused.
+                # raises at once, and the load ends unused. On the CPU only for now: GPU
+                # steps lowered from the descriptions took more memory at run time
+                # (bench/NOTES.md, Start-up: the weights load in the background).
                 checkpoint = ConvertedCheckpoint(self.path, dtype, meshes[0])
                 self._weights = checkpoint.load_in_background()
                 self._abstract_model = checkpoint.abstract_model()
