@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -144,6 +145,10 @@ class LLM:
                 # raises at once, and the load ends unused. On the CPU only for now: GPU
                 # steps lowered from the descriptions took more memory at run time
                 # (bench/NOTES.md, Start-up: the weights load in the background).
+                tokenizer = None
+                if (self.path / "tokenizer.json").exists():  # read meanwhile, too
+                    tokenizer = concurrent.futures.ThreadPoolExecutor(1).submit(
+                        Tokenizer.from_dir, self.path)
                 checkpoint = ConvertedCheckpoint(self.path, dtype, meshes[0])
                 self._weights = checkpoint.load_in_background()
                 self._abstract_model = checkpoint.abstract_model()
@@ -155,7 +160,9 @@ class LLM:
                 source = open_source(self.path)
                 self.model = load_model(source, dtype=dtype, mesh=meshes[0])
                 files = source.tokenizer_files()
-            if files is None and (self.path / "tokenizer.json").exists():
+            if self._weights is not None:
+                self.tokenizer = tokenizer and tokenizer.result()
+            elif files is None and (self.path / "tokenizer.json").exists():
                 self.tokenizer = Tokenizer.from_dir(self.path)
             elif files and "tokenizer.json" in files:
                 self.tokenizer = Tokenizer.from_files(files, self.path)

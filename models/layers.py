@@ -37,6 +37,7 @@ from jaxinfer.sharding import (
     current_mesh,
     is_abstract,
     join_per_shard_on_device,
+    join_per_shard_recipe,
     reduce_over,
     shard_map_logical,
 )
@@ -131,7 +132,8 @@ class Linear(nnx.Module):
         float32, rounded back to the weight's dtype and placed like it; in bf16 that rounds
         W * scale where HF rounds the scaled activations: as accurate, not bit-identical."""
         w = self.weight.get_value()
-        self.weight = nnx.Param(_scale_columns(w, scale, w.sharding), axes=self.axes)
+        scaled = _scale_columns_recipe if is_abstract(w) else _scale_columns
+        self.weight = nnx.Param(scaled(w, scale, w.sharding), axes=self.axes)
 
     def quantized_weight(self) -> QuantizedWeight:
         offset = None if self.weight_offset is None else self.weight_offset.get_value()
@@ -219,8 +221,8 @@ def join_linears(parts: list[Linear]) -> Linear | None:
         return None
     shards = shards.pop()
     # values join along axis 0, scales and offsets [G, N] along axis 1.
-    joined = [join_per_shard_on_device(tuple(tensors(lay)[i] for lay in parts), min(i, 1),
-                                       shards, t.sharding)
+    join = join_per_shard_recipe if is_abstract(values[0]) else join_per_shard_on_device
+    joined = [join(tuple(tensors(lay)[i] for lay in parts), min(i, 1), shards, t.sharding)
               for i, t in enumerate(tensors(first))]
     axes = first.axes
     first.weight = nnx.Param(joined[0], axes=axes)
@@ -231,9 +233,8 @@ def join_linears(parts: list[Linear]) -> Linear | None:
             first.weight_offset = nnx.Param(joined[2], axes=parts_axes)
     if first.bias is not None:
         bias = first.bias.get_value()
-        first.bias = nnx.Param(join_per_shard_on_device(
-            tuple(lay.bias.get_value() for lay in parts), 0, shards, bias.sharding),
-            axes=P(axes[0]))
+        first.bias = nnx.Param(join(tuple(lay.bias.get_value() for lay in parts), 0, shards,
+                                    bias.sharding), axes=P(axes[0]))
     return first
 
 
@@ -347,21 +348,22 @@ class FoldedRMSNorm(RMSNorm):
         return x, self.inv_rms(x)
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def _scale_columns(w, scale, sharding):
-    """w [N, K] * scale [K] in float32, back in w's dtype, placed like w (`sharding`)."""
-    if is_abstract(w):
-        return ArrayRecipe(w.shape, w.dtype, sharding, _scaled_columns, (), (w, scale))
-    return _scale_columns_jit(w, scale, sharding)
+    """w [N, K] * scale [K] in float32, back in w's dtype, placed like w (`sharding`).
+    Called as it is, as `join_per_shard_on_device` is (see there)."""
+    out = (w.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(w.dtype)
+    return jax.lax.with_sharding_constraint(out, sharding)
+
+
+def _scale_columns_recipe(w, scale, sharding) -> ArrayRecipe:
+    """`_scale_columns` of an abstract weight (`ArrayRecipe`)."""
+    return ArrayRecipe(w.shape, w.dtype, sharding, _scaled_columns, (), (w, scale))
 
 
 def _scaled_columns(arrays):
     w, scale = arrays
     return (w.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(w.dtype)
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _scale_columns_jit(w, scale, sharding):
-    return jax.lax.with_sharding_constraint(_scaled_columns((w, scale)), sharding)
 
 
 class Attention(nnx.Module):

@@ -1,7 +1,8 @@
 """A converted checkpoint loads in the background: `ConvertedCheckpoint.abstract_model()`
 (what the runner makes its programs from) is the form `load()` builds, array for array; the
 tensors read on a thread realize it; an `LLM` makes programs before its weights arrive, and
-a step waits for them (or raises the load's error)."""
+a step waits for them (or raises the load's error). On the CPU, `HostArrayReader` reads the
+arrays Orbax would, into buffers the device takes without a copy."""
 
 import threading
 
@@ -14,7 +15,14 @@ from flax import nnx
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli.main import cli
 from jaxinfer.errors import JaxinferError
-from jaxinfer.loading.checkpoint import ConvertedCheckpoint, convert, load_model
+from jaxinfer.loading import checkpoint as checkpoint_module
+from jaxinfer.loading.checkpoint import (
+    CPU_ZERO_COPY_ALIGNMENT,
+    ConvertedCheckpoint,
+    HostArrayReader,
+    convert,
+    load_model,
+)
 from jaxinfer.sharding import MeshSpec
 
 
@@ -102,3 +110,68 @@ def test_a_failed_background_load_raises_at_the_first_step(qwen3_converted, monk
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert errors == [f"Error: {qwen3_converted / 'weights'}: cannot read checkpoint "
                       "(damaged)"], result.output
+
+
+def _orbax_arrays(weights_dir):
+    from orbax.checkpoint.experimental import v1 as ocp
+    return ocp.load(weights_dir.absolute())
+
+
+@pytest.mark.parametrize("quantize,dtype", [
+    (None, None),  # floats as stored
+    (None, jax.numpy.bfloat16),  # cast while reading
+    ("int4:g32", None),  # zstd-compressed sub-byte values, float32 scales
+])
+def test_host_reader_reads_what_orbax_reads(hf_models, tmp_path, monkeypatch, quantize,
+                                            dtype):
+    out = convert(hf_models["qwen2"], tmp_path / "ckpt", "float32", quantize=quantize,
+                  progress=False)
+    reader = HostArrayReader.open(out / "weights")
+    assert reader is not None
+    want = {k: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype) for k, s in reader.stored.items()}
+    empty = checkpoint_module._aligned_empty
+
+    def poisoned(shape, dtype):  # every element must be written by the read
+        a = empty(shape, dtype)
+        a.view(np.uint8)[...] = 0xFF  # NaN in floats, -1 in ints
+        return a
+
+    monkeypatch.setattr(checkpoint_module, "_aligned_empty", poisoned)
+    got = reader.read(want)
+    orbax = _orbax_arrays(out / "weights")
+    assert sorted(got) == sorted(orbax)
+    for key, a in got.items():
+        assert a.dtype == want[key].dtype and a.shape == orbax[key].shape
+        np.testing.assert_array_equal(a, orbax[key].astype(a.dtype))
+        assert a.ctypes.data % CPU_ZERO_COPY_ALIGNMENT == 0
+    # Aligned, so the CPU device takes the buffer as it is (the point of the reader).
+    a = got["embed.embedding"]
+    assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data
+
+
+def test_host_reader_leaves_other_layouts_to_orbax(qwen3_converted, tmp_path, monkeypatch):
+    import shutil
+
+    copy = shutil.copytree(qwen3_converted, tmp_path / "ckpt")
+    metadata = copy / "weights" / "state" / "_METADATA"
+    metadata.write_text(metadata.read_text().replace('"use_zarr3": true', '"use_zarr3": false'))
+    assert HostArrayReader.open(copy / "weights") is None  # zarr2: not its layout
+    mesh = MeshSpec.parse(None).meshes()[0]
+    want = _described(ConvertedCheckpoint(qwen3_converted, None, mesh).load())[3]
+    monkeypatch.setattr(HostArrayReader, "open", lambda weights_dir: None)
+    checkpoint = ConvertedCheckpoint(qwen3_converted, None, mesh)
+    assert checkpoint._reader is None  # Orbax reads it, and it loads all the same
+    got = _described(checkpoint.load())[3]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_host_reader_reports_a_damaged_file(qwen3_converted, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(qwen3_converted, tmp_path / "ckpt")
+    data = max((p for p in (copy / "weights" / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(JaxinferError, match="cannot read checkpoint"):
+        load_model(copy)

@@ -140,11 +140,6 @@ class CompiledSteps:
 
     def run(self, shape: StepShape, *args):
         """Runs shape's program on args (compiling or loading it first if needed)."""
-        return self.program(shape)(*args)
-
-    def program(self, shape: StepShape):
-        """shape's program (compiled or loaded now if nobody had started it, waited for if
-        under way)."""
         future, started = self._start(shape, background=False)
         if not started and future.done() and future.exception() is not None:
             with self._lock:  # a background compile failed: try again here, and raise
@@ -154,7 +149,7 @@ class CompiledSteps:
             with self._lock:
                 self.num_on_demand += 1
             logger.info("%s: a step waited for its program: %s", self.name, shape)
-        return future.result()
+        return future.result()(*args)
 
     def compile_many(self, shapes: Sequence[StepShape],
                      progress: Callable[[int, int], None] | None = None):

@@ -444,12 +444,12 @@ class ModelRunner:
              with_logprobs: bool = False):
         shape = self.shape_of(inputs, kind, num_steps, with_logprobs)
         with jax.set_mesh(self.mesh):
-            # The program first: it loads (or compiles) while the weights may still be
-            # loading (`weights`), the KV pages next, then the weights are waited for.
-            program = self.steps.program(shape)
-            kv_cache = self.kv_cache
-            out, self.kv_cache = program(kv_cache, self.state_leaves,
-                                         multihost.to_global(inputs, self.mesh))
+            if self._state_leaves is None:  # the weights still load: the program meanwhile
+                self.steps.prefetch(shape)
+            # Arguments in this order: the KV pages (allocated on first use), then the
+            # weights (waited for), then the program (waited for, or compiled) runs.
+            out, self.kv_cache = self.steps.run(shape, self.kv_cache, self.state_leaves,
+                                                multihost.to_global(inputs, self.mesh))
         return out
 
     @staticmethod
