@@ -143,8 +143,6 @@ class LLM:
                 self.tokenizer = None  # token-id prompts only
         self.config = c = self.model.config
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype, self.model.embed.embedding.dtype)
-        itemsize = kv_dtype.itemsize
-        page_bytes = page_size * c.kv_bytes_per_token(itemsize)
         self.kv_plan = None  # the plan, where the cache was planned
         if kv_cache_bytes is None:
             self.kv_plan = plan_kv_cache(
@@ -152,8 +150,10 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 memory_utilization=gpu_memory_utilization, name=str(self.path or "the model"),
                 kv_dtype=kv_dtype)
-            kv_cache_bytes = self.kv_plan.kv_cache_bytes
-        num_pages = max(kv_cache_bytes // page_bytes, 1)
+            num_pages = self.kv_plan.num_pages
+        else:  # bytes of a page: every device's share of it
+            page_bytes = page_size * c.kv_bytes_per_token(kv_dtype.itemsize)
+            num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)
         # dp replicas: copies of replica 0's weights, each on its own mesh.
