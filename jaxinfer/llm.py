@@ -142,8 +142,8 @@ class LLM:
                 # The weights load in the background, the runner makes its programs from
                 # their descriptions meanwhile (`ModelRunner`'s `weights`). The load does
                 # not wait for the KV cache's plan (nor does vLLM's): a plan that fails
-                # raises at once, and the load ends unused. On the CPU only for now: GPU
-                # steps lowered from the descriptions took more memory at run time
+                # raises at once, and the load ends unused. On the CPU only for now: a GPU
+                # start-up is compile-bound, and this path is not yet measured there
                 # (bench/NOTES.md, Start-up: the weights load in the background).
                 tokenizer = None
                 if (self.path / "tokenizer.json").exists():  # read meanwhile, too
@@ -171,8 +171,6 @@ class LLM:
         model = self._abstract_model or self.model  # its shapes decide what follows
         self.config = c = model.config
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype, model.embed.embedding.dtype)
-        itemsize = kv_dtype.itemsize
-        page_bytes = page_size * c.kv_bytes_per_token(itemsize)
         self.kv_plan = None  # the plan, where the cache was planned
         if kv_cache_bytes is None:
             self.kv_plan = plan_kv_cache(
@@ -180,8 +178,10 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 memory_utilization=gpu_memory_utilization, name=str(self.path or "the model"),
                 kv_dtype=kv_dtype)
-            kv_cache_bytes = self.kv_plan.kv_cache_bytes
-        num_pages = max(kv_cache_bytes // page_bytes, 1)
+            num_pages = self.kv_plan.num_pages
+        else:  # bytes of a page: every device's share of it
+            page_bytes = page_size * c.kv_bytes_per_token(kv_dtype.itemsize)
+            num_pages = max(kv_cache_bytes // page_bytes, 1)
         self.max_model_len = min(max_model_len or c.max_position_embeddings,
                                  num_pages * page_size)
         # dp replicas: copies of replica 0's weights, each on its own mesh.

@@ -192,9 +192,8 @@ class ModelRunner:
                                            with_logprobs=shape.with_logprobs).lower()
 
     def example_args(self, shape: StepShape) -> tuple:
-        # The weights where they are loaded: programs lowered from the arrays are those
-        # measured on the GPU; lowered from their descriptions (a load in progress), a
-        # GPU step was seen to take gigabytes more at run time.
+        # The weights where they are loaded (lowering reads only their shapes, dtypes and
+        # shardings), their descriptions while they load.
         weights = self._state_leaves if self._state_leaves is not None else self.state_avals
         return self.kv_avals, weights, self.empty_inputs(shape)
 
