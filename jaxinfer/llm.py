@@ -147,8 +147,9 @@ class LLM:
                 # (bench/NOTES.md, Start-up: the weights load in the background).
                 tokenizer = None
                 if (self.path / "tokenizer.json").exists():  # read meanwhile, too
-                    tokenizer = concurrent.futures.ThreadPoolExecutor(1).submit(
-                        Tokenizer.from_dir, self.path)
+                    reader = concurrent.futures.ThreadPoolExecutor(1, "read-tokenizer")
+                    tokenizer = reader.submit(Tokenizer.from_dir, self.path)
+                    reader.shutdown(wait=False)
                 checkpoint = ConvertedCheckpoint(self.path, dtype, meshes[0])
                 self._weights = checkpoint.load_in_background()
                 self._abstract_model = checkpoint.abstract_model()
