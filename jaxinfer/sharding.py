@@ -422,7 +422,7 @@ def realize(recipes: list, tensors: dict) -> list:
 
 @functools.lru_cache(maxsize=64)
 def _fused_program(expression, sharding):
-    """A jitted function of the arrays an `realize` expression reads: (op, static,
+    """A jitted function of the arrays a `realize` expression reads: (op, static,
     (sub-expressions...)), or an int, the position of an argument."""
     def evaluate(e, args):
         if isinstance(e, int):
@@ -436,7 +436,7 @@ def _fused_program(expression, sharding):
 def is_abstract(x) -> bool:
     """Whether x is an array's description (jax.ShapeDtypeStruct) rather than an array: a
     model built before its weights are read (`jaxinfer.loading.checkpoint.ConvertedCheckpoint`)
-    holds those, and the functions that build one give them for them."""
+    holds those, and the functions that build one return descriptions for them."""
     return isinstance(x, jax.ShapeDtypeStruct)
 
 
