@@ -144,7 +144,7 @@ class LLM:
                 # not wait for the KV cache's plan (nor does vLLM's): a plan that fails
                 # raises at once, and the load ends unused. On the CPU only for now: a GPU
                 # start-up is compile-bound, and this path is not yet measured there
-                # (bench/NOTES.md, Start-up: the weights load in the background).
+                # (bench/NOTES.md, Start-up, Tried: the weights loading in the background).
                 tokenizer = None
                 if (self.path / "tokenizer.json").exists():  # read meanwhile, too
                     reader = concurrent.futures.ThreadPoolExecutor(1, "read-tokenizer")
