@@ -135,7 +135,8 @@ def _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, kv_cac
               kv_cache_bytes=None if kv_cache_gb is None else int(kv_cache_gb * 2**30),
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               decode_steps=decode_steps, page_size=page_size, mesh=mesh,
-              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+              start_warmup=True)
     if llm.kv_plan is not None:
         click.echo(llm.kv_plan.format(page_size), err=True)
     # As a server does: its programs compile (XLA autotuning their GEMMs) before the KV

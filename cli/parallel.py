@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxinfer.engine import multihost
 from jaxinfer.loading.plan import DEFAULT_MEMORY_UTILIZATION
-from jaxinfer.loading.presets import preset_config, random_model
+from jaxinfer.loading.presets import RandomWeights, preset_config
 from jaxinfer.sharding import MeshSpec
 
 memory_utilization_option = click.option(
@@ -56,9 +56,9 @@ def join_job(coordinator, num_processes, process_id) -> bool:
 
 
 def random_or_path(model_path, preset, dtype, mesh, quantize=None):
-    """--preset: a random-weight model built straight onto the mesh (its projections
-    quantized to `quantize` if given); else the path."""
+    """--preset: random weights made straight onto the mesh (their projections quantized to
+    `quantize` if given), which `LLM` makes while it compiles; else the path."""
     if not preset:
         return model_path
-    return random_model(preset_config(preset), jnp.dtype(dtype or "bfloat16"),
-                        mesh=MeshSpec.parse(mesh).meshes()[0], quantize=quantize)
+    return RandomWeights(preset_config(preset), jnp.dtype(dtype or "bfloat16"),
+                         mesh=MeshSpec.parse(mesh).meshes()[0], quantize=quantize)

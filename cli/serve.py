@@ -108,7 +108,8 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
               page_size=page_size, mesh=mesh, scan_layers=scan_layers,
-              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+              start_warmup=not no_warmup)
     if not leader:  # runs process 0's steps until it exits
         llm.follow()
         return

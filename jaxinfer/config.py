@@ -137,7 +137,12 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: Path) -> ModelConfig:
-        d = read_json(path)
+        return cls.from_dict(read_json(path), path)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], path: Path | str = "the config") -> ModelConfig:
+        """The config of `to_json`'s fields (path: where they came from, for errors)."""
+        d = dict(d)
         fields = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(d) - fields):
             raise JaxinferError(f"{path}: unknown field {unknown[0]!r}")

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.compile_helpers import CompileHelpers, RunnerSettings, helper_count
 from jaxinfer.engine import multihost
 from jaxinfer.engine.compiled_steps import executable_cache_dir
 from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine
@@ -21,6 +22,7 @@ from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.checkpoint import (
     ConvertedCheckpoint,
+    PlacedWeights,
     is_converted,
     load_model,
     open_source,
@@ -113,14 +115,16 @@ class LLM:
                  max_num_batched_tokens: int = 512, decode_steps: int = 1,
                  mesh: str | MeshSpec | None = None, scan_layers: bool | None = None,
                  gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", start_warmup: bool = False):
         """`mesh` (e.g. "tp=2" or "tp=2,dp=2", see `jaxinfer.sharding`) splits the model over
         that many devices (all processes' devices, multi-host); kv_cache_bytes is per replica
         and counts every device's share. `scan_layers` runs the layers as a scan over
         stacked weights (`jaxinfer.models.decoder.scan_layers`): each step program compiles
         one group of layers instead of all of them (None: `default_scan_layers()`).
         `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (float8_e4m3fn pages, vLLM's
-        fp8 KV cache with scale 1: half the bytes of bf16 a token)."""
+        fp8 KV cache with scale 1: half the bytes of bf16 a token). `start_warmup`: a
+        `warmup()` follows, so its compiles start now, in helper processes where they pay
+        (`jaxinfer.compile_helpers`: one process on GPUs), while the weights load."""
         if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
             raise JaxinferError(f"page_size {page_size}: a power of two up to {MAX_PAGE_SIZE} "
                                 "required (the attention kernels' KV blocks hold whole pages)")
@@ -130,45 +134,56 @@ class LLM:
         meshes = spec.meshes()
         scan = default_scan_layers() if scan_layers is None else scan_layers
         self._model = self._weights = self._abstract_model = None
-        if isinstance(model, Decoder):  # e.g. a random-weight preset (jaxinfer.loading.presets)
+        # Weights described before they exist may load while the programs compile.
+        weights = tokenizer = deferred = None
+        self._helpers: CompileHelpers | None = None
+        if isinstance(model, Decoder):  # built by the caller
             self.path, self.tokenizer = None, None
             self.model = shard_model(model, meshes[0])
+        elif isinstance(model, PlacedWeights):  # e.g. a random-weight preset's
+            self.path, self.tokenizer, weights = None, None, model
+            if model.placer.mesh != meshes[0]:
+                raise JaxinferError(f"the weights were placed on {model.placer.mesh.shape}, "
+                                    f"the LLM's mesh is {meshes[0].shape}")
         else:
             if model is None:
                 model = default_model_path()
-            self.path = Path(model)
-            if (is_converted(self.path) and len(meshes) == 1 and not scan
-                    and jax.process_count() == 1 and meshes[0].devices.flat[0].platform == "cpu"):
-                # The weights load in the background, the runner makes its programs from
-                # their descriptions meanwhile (`ModelRunner`'s `weights`). The load does
-                # not wait for the KV cache's plan (nor does vLLM's): a plan that fails
-                # raises at once, and the load ends unused. On the CPU only for now: a GPU
-                # start-up is compile-bound, and this path is not yet measured there
-                # (bench/NOTES.md, Start-up, Tried: the weights loading in the background).
-                tokenizer = None
-                if (self.path / "tokenizer.json").exists():  # read meanwhile, too
+            self.path, files = Path(model), None
+            if is_converted(self.path):
+                if (self.path / "tokenizer.json").exists():  # read meanwhile
                     reader = concurrent.futures.ThreadPoolExecutor(1, "read-tokenizer")
                     tokenizer = reader.submit(Tokenizer.from_dir, self.path)
                     reader.shutdown(wait=False)
-                checkpoint = ConvertedCheckpoint(self.path, dtype, meshes[0])
-                self._weights = checkpoint.load_in_background()
-                self._abstract_model = checkpoint.abstract_model()
-                files = None
-            elif is_converted(self.path):
-                self.model = load_model(self.path, dtype=dtype, mesh=meshes[0])
-                files = None
+                weights = ConvertedCheckpoint(self.path, dtype, meshes[0])
             else:  # one read of the source for both weights and tokenizer
                 source = open_source(self.path)
                 self.model = load_model(source, dtype=dtype, mesh=meshes[0])
                 files = source.tokenizer_files()
-            if self._weights is not None:
-                self.tokenizer = tokenizer and tokenizer.result()
-            elif files is None and (self.path / "tokenizer.json").exists():
-                self.tokenizer = Tokenizer.from_dir(self.path)
-            elif files and "tokenizer.json" in files:
+            if files and "tokenizer.json" in files:
                 self.tokenizer = Tokenizer.from_files(files, self.path)
             else:
-                self.tokenizer = None  # token-id prompts only
+                self.tokenizer = None  # token-id prompts only (or read below)
+        if weights is not None:
+            one_replica = len(meshes) == 1 and not scan and jax.process_count() == 1
+            if (start_warmup and one_replica
+                    and helper_count(1, meshes[0].devices.flat) > 0):
+                # Loaded below, once the compile helpers have started from the descriptions.
+                self._weights, deferred = concurrent.futures.Future(), weights
+                self._abstract_model = weights.abstract_model()
+            elif one_replica and meshes[0].devices.flat[0].platform == "cpu":
+                # The weights load (or are made) in the background, the runner makes its
+                # programs from their descriptions meanwhile (`ModelRunner`'s `weights`).
+                # The load does not wait for the KV cache's plan (nor does vLLM's): a plan
+                # that fails raises at once, and the load ends unused. On the CPU only: on
+                # the H200 it made serve's start slower and its first step ran out of memory
+                # (bench/NOTES.md, Start-up, Tried: the weights loading in the background);
+                # there the compile helpers overlap the load instead.
+                self._weights = weights.load_in_background()
+                self._abstract_model = weights.abstract_model()
+            else:
+                self.model = weights.load()
+        if tokenizer is not None:
+            self.tokenizer = tokenizer.result()
         model = self._abstract_model or self.model  # its shapes decide what follows
         self.config = c = model.config
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype, model.embed.embedding.dtype)
@@ -197,6 +212,32 @@ class LLM:
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
                                   max_num_batched_tokens, self.tokenizer, decode_steps))
         self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
+        if deferred is not None:
+            self._start_helpers(deferred, RunnerSettings(
+                num_pages, page_size, self.max_model_len, max_num_seqs, kv_dtype.name,
+                str(spec)))
+            try:
+                self._weights.set_result(deferred.load())
+            except BaseException as e:
+                self._weights.set_exception(e)
+                if self._helpers is not None:
+                    self._helpers.close()
+                raise
+
+    def _start_helpers(self, weights: PlacedWeights, settings: RunnerSettings):
+        """Starts compile helpers on the warm-up's programs that the executable cache lacks."""
+        runner = self.runner
+        shapes = [s for s in self._warmup_plans(None)[0][1] if not runner.steps.on_disk(s)]
+        count = helper_count(len(shapes), runner.mesh.devices.flat)
+        if count:
+            self._helpers = CompileHelpers(weights.describe(), settings, shapes, count)
+
+    def _warmup_plans(self, max_len: int | None) -> list[tuple[ModelRunner, list]]:
+        """(runner, its warm-up shapes) per replica for contexts up to max_len (`warmup`)."""
+        e = self.engine
+        max_len = min(max_len or min(self.max_model_len, WARMUP_CONTEXT), self.max_model_len)
+        return [(r, r.warmup_shapes(e.max_num_seqs, e.max_num_batched_tokens, e.decode_steps,
+                                    max_len)) for r in e.runners]
 
     def warmup(self, max_len: int | None = None, progress: bool = True,
                on_progress: Callable[[int, int], None] | None = None) -> float:
@@ -208,24 +249,33 @@ class LLM:
         from tqdm import tqdm
 
         start = time.perf_counter()
-        e = self.engine
-        max_len = min(max_len or min(self.max_model_len, WARMUP_CONTEXT), self.max_model_len)
-        plans = [(r, r.warmup_shapes(e.max_num_seqs, e.max_num_batched_tokens, e.decode_steps,
-                                     max_len)) for r in e.runners]
+        plans = self._warmup_plans(max_len)
         total = sum(len(shapes) for _, shapes in plans)
         bar = tqdm(total=total, desc="warm-up: compiling", unit="program", disable=not progress)
-        done = 0
+        shown = 0
         if on_progress is not None:
             on_progress(0, total)
 
+        def show(done: int):
+            nonlocal shown
+            if done > shown:
+                bar.update(done - shown)
+                shown = done
+                if on_progress is not None:
+                    on_progress(done, total)
+
+        made = 0
+
         def advance(*_):
-            nonlocal done
-            done += 1
-            bar.update()
-            if on_progress is not None:
-                on_progress(done, total)
+            nonlocal made
+            made += 1
+            show(made)
 
         with bar:
+            if self._helpers is not None:  # their programs, as they reach the disk
+                helpers, self._helpers = self._helpers, None
+                runner, shapes = plans[0]
+                helpers.wait(lambda: show(sum(map(runner.steps.on_disk, shapes))))
             for runner, shapes in plans:
                 if multihost.is_multiprocess():  # followers compile as they run the steps
                     for shape in shapes:

@@ -98,8 +98,11 @@ def _environment() -> str:
     except PackageNotFoundError:
         jaxlib = ""
     devices = jax.devices()
+    # XLA_PYTHON_CLIENT_* size the memory pool, which no program depends on (compile helper
+    # processes run with a pool of their own: `jaxinfer.compile_helpers`).
     env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith(("JAXINFER_", "XLA_", "JAX_", "LIBTPU")))
+                 if k.startswith(("JAXINFER_", "XLA_", "JAX_", "LIBTPU"))
+                 and not k.startswith("XLA_PYTHON_CLIENT_"))
     return repr((jax.__version__, jaxlib, devices[0].client.platform_version,
                  [(d.id, d.device_kind) for d in devices], env))
 
@@ -166,6 +169,12 @@ class CompiledSteps:
     def prefetch(self, shape: StepShape):
         """Starts compiling shape in the background unless it is compiled or under way."""
         self._start(shape, background=True)
+
+    def on_disk(self, shape: StepShape) -> bool:
+        """Whether shape's program is in the executable cache (another process may have put
+        it there: `jaxinfer.compile_helpers`)."""
+        path = self._path(shape)
+        return path is not None and path.exists()
 
     def has(self, shape: StepShape) -> bool:
         """Whether shape's program exists or is being made."""

@@ -29,9 +29,11 @@ directory of a killed convert is removed by the next convert into the same OUT.
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import glob
 import json
 import logging
@@ -315,19 +317,77 @@ def load_model(path: str | Path | HFSource | GGUFSource, dtype: str | None = Non
     return inference_model(sharded_config(config, placer.tp), params)
 
 
-class ConvertedCheckpoint:
-    """A converted checkpoint opened for loading on `mesh`: its config and stored tensors'
-    metadata read and checked (a mismatch raises here), nothing else read yet.
+class PlacedWeights(abc.ABC):
+    """A model's weights for a mesh, described before they exist: `abstract_model()` builds the
+    model with an `ArrayRecipe` where each array will be (its form decided by the
+    descriptions alone), what a model runner needs to make its programs, so they load or
+    compile while the weights are read or made (`load_in_background`, `jaxinfer.llm.LLM`).
 
-    `load()` reads the tensors and builds the model. `abstract_model()` is that model with
-    an `ArrayRecipe` where each array will be (its form decided by the metadata alone): what
-    a model runner needs to make its programs, so they load or compile while the tensors
-    are read (`load_in_background`, `jaxinfer.llm.LLM`)."""
+    A subclass defines `_read()` (key -> the tensor, placed) and `_build(params)` (the
+    model from placed tensors, or from their recipes)."""
+
+    def __init__(self, placer: ParamPlacer, stored: dict[str, jax.ShapeDtypeStruct]):
+        """stored: key -> each tensor as the source gives it (placing it gives its form)."""
+        self.placer, self._stored = placer, stored
+        self._abstract: concurrent.futures.Future = concurrent.futures.Future()
+
+    def abstract_model(self) -> Decoder:
+        """The model with an ArrayRecipe for each array (`jaxinfer.sharding.realize`)."""
+        def recipe(key, stored):
+            placed = self.placer.place(key, stored)
+            return ArrayRecipe(placed.shape, placed.dtype, placed.sharding, key=key)
+
+        try:
+            model = self._build({k: recipe(k, a) for k, a in self._stored.items()})
+        except BaseException as e:
+            self._abstract.set_exception(e)  # a background load waits for it
+            raise
+        self._abstract.set_result(model)
+        return model
+
+    def load(self) -> Decoder:
+        """Reads (or makes) every tensor onto its devices and builds the model."""
+        return self._build(self._read())
+
+    def load_in_background(self) -> concurrent.futures.Future:
+        """Starts reading the tensors on a thread, and returns the future of the model:
+        `abstract_model()`'s, its recipes realized (so call that: the thread waits for it
+        once the tensors are read)."""
+        def load() -> Decoder:
+            params = self._read()
+            graphdef, state = nnx.split(self._abstract.result())
+            recipes, treedef = jax.tree.flatten(state)
+            model = nnx.merge(graphdef, jax.tree.unflatten(treedef, realize(recipes, params)))
+            gc.collect()  # the parts a join replaced may sit in reference cycles
+            return model
+
+        loader = concurrent.futures.ThreadPoolExecutor(1, "load-weights")
+        try:
+            return loader.submit(load)
+        finally:
+            loader.shutdown(wait=False)
+
+    @abc.abstractmethod
+    def describe(self) -> dict:
+        """What makes these weights again in another process (JSON: `weights_from`)."""
+
+    @abc.abstractmethod
+    def _read(self) -> dict[str, jax.Array]:
+        """key -> the tensor, placed (`ParamPlacer.place`)."""
+
+    @abc.abstractmethod
+    def _build(self, params: dict) -> Decoder:
+        """The model of `params` (key -> placed tensor, or its ArrayRecipe)."""
+
+
+class ConvertedCheckpoint(PlacedWeights):
+    """A converted checkpoint opened for loading on `mesh`: its config and stored tensors'
+    metadata read and checked (a mismatch raises here), nothing else read yet."""
 
     def __init__(self, path: Path, dtype: str | None, mesh: jax.sharding.Mesh):
-        self.path, self.weights_dir = path, path / WEIGHTS_DIR
+        self.path, self.weights_dir, self.dtype = path, path / WEIGHTS_DIR, dtype
         self.config = ModelConfig.from_json_file(path / CONFIG_FILE)
-        self.placer = model_placer(self.config, mesh, path)
+        placer = model_placer(self.config, mesh, path)
         self.activations = _activations(self.config, path / CONFIG_FILE)
         # One process on CPUs: TensorStore reads the arrays (`HostArrayReader`), else Orbax.
         self._reader = None
@@ -346,48 +406,15 @@ class ConvertedCheckpoint:
                     from None
         _check_stored(self.weights_dir, expected_shapes(self.config), stored)
         # As stored, each array restored straight into its placement.
-        self._stored = {k: jax.ShapeDtypeStruct(m.shape, _restore_dtype(k, m.dtype, dtype,
-                                                                         stored),
-                                                sharding=self.placer.sharding(k, m.shape))
-                        for k, m in stored.items()}
-        self._abstract: concurrent.futures.Future = concurrent.futures.Future()
+        super().__init__(placer, {
+            k: jax.ShapeDtypeStruct(m.shape, _restore_dtype(k, m.dtype, dtype, stored),
+                                    sharding=placer.sharding(k, m.shape))
+            for k, m in stored.items()})
 
-    def abstract_model(self) -> Decoder:
-        """The model with an ArrayRecipe for each array (`jaxinfer.sharding.realize`)."""
-        def recipe(key, stored):
-            placed = self.placer.place(key, stored)
-            return ArrayRecipe(placed.shape, placed.dtype, placed.sharding, key=key)
-
-        try:
-            model = self._build({k: recipe(k, a) for k, a in self._stored.items()})
-        except BaseException as e:
-            self._abstract.set_exception(e)  # a background load waits for it
-            raise
-        self._abstract.set_result(model)
-        return model
-
-    def load(self) -> Decoder:
-        """Reads every tensor onto its devices and builds the model."""
-        return self._build(self._read())
-
-    def load_in_background(self) -> concurrent.futures.Future:
-        """Starts reading the tensors on a thread, and returns the future of the model:
-        `abstract_model()`'s, its recipes realized (so call that: the thread waits for it
-        once the tensors are read)."""
-        def load() -> Decoder:
-            params = self._read()
-            graphdef, state = nnx.split(self._abstract.result())
-            recipes, treedef = jax.tree.flatten(state)
-            return nnx.merge(graphdef, jax.tree.unflatten(treedef, realize(recipes, params)))
-
-        loader = concurrent.futures.ThreadPoolExecutor(1, "load-weights")
-        try:
-            return loader.submit(load)
-        finally:
-            loader.shutdown(wait=False)
+    def describe(self) -> dict:
+        return {"converted": str(self.path.absolute()), "dtype": self.dtype}
 
     def _read(self) -> dict[str, jax.Array]:
-        """key -> tensor, placed (`ParamPlacer.place`)."""
         if self._reader is not None:
             params = self._reader.read(self._stored)
             return {k: self.placer.place(k, a) for k, a in params.items()}

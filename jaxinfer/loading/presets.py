@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import JaxinferError
-from jaxinfer.loading.checkpoint import model_placer
+from jaxinfer.loading.checkpoint import ConvertedCheckpoint, PlacedWeights, model_placer
 from jaxinfer.models import Decoder
 from jaxinfer.models.inference_form import OFFSET, SCALE, checkpoint_layout, inference_model
 from jaxinfer.models.layers import is_quantizable
@@ -83,36 +85,69 @@ def preset_config(name: str) -> ModelConfig:
 
 def random_model(config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
                  mesh: jax.sharding.Mesh | None = None, quantize: str | None = None) -> Decoder:
-    """A Decoder with random weights generated on the device(s), one parameter at a time,
-    each straight into its shards on `mesh` (default: the first device). The same seed
-    gives the same model on any mesh.
+    """A Decoder with random weights generated on the device(s) (`RandomWeights`)."""
+    return RandomWeights(config, dtype, seed, mesh, quantize).load()
+
+
+class RandomWeights(PlacedWeights):
+    """Random weights of a model of `config`, generated on the device(s), one parameter at a
+    time, each straight into its shards on `mesh` (default: the first device). The same
+    seed gives the same model on any mesh. Like a converted checkpoint, they are described
+    before they exist (`abstract_model`), so a runner's programs compile while they are made
+    (`load_in_background`).
 
     Matrices ~ N(0, 0.02^2); norm scales ~ 1 + N(0, 0.02^2) (never zeros). `quantize`
     (a `jaxinfer.ops.quant.parse_format` spelling): the decoder-block projections are then
     quantized to it on the device, as `jaxinfer convert --quantize` would store them. The
     model is built from those checkpoint tensors as a loaded one is (`inference_model`).
     """
-    fmt = parse_format(quantize) if quantize else None
-    placer = model_placer(config, mesh or MeshSpec().meshes()[0])
-    key = jax.random.key(seed)
-    params = {}
-    for i, (name, layout) in enumerate(checkpoint_layout(config).items()):
+
+    def __init__(self, config: ModelConfig, dtype=jnp.bfloat16, seed: int = 0,
+                 mesh: jax.sharding.Mesh | None = None, quantize: str | None = None):
+        self.fmt = parse_format(quantize) if quantize else None
+        self.dtype, self.seed = jnp.dtype(dtype), seed
+        self.config = config
+        super().__init__(model_placer(config, mesh or MeshSpec().meshes()[0]), {})
+        self.layout = checkpoint_layout(config)
+        # What the generation gives, known by its trace alone (a quantization that cannot
+        # take a tensor raises here).
+        for name, layout in self.layout.items():
+            for key, aval in jax.eval_shape(
+                    lambda name=name, layout=layout: self._tensors(0, name, layout)).items():
+                self._stored[key] = jax.ShapeDtypeStruct(
+                    aval.shape, aval.dtype, sharding=self.placer.sharding(key, aval.shape))
+
+    def _tensors(self, index: int, name: str, layout) -> dict[str, jax.Array]:
+        """Tensor `name` (the index-th of the layout) as generated: key -> array (the values,
+        scales and offsets of a quantized projection)."""
         shape = layout.shape
-        array = _random(jax.random.fold_in(key, i), shape, jnp.dtype(dtype),
-                        placer.sharding(name, shape))
-        if fmt is not None and is_quantizable(name):
-            try:
-                w = _quantized(array, fmt)
-            except JaxinferError as e:
-                raise JaxinferError(f"--quantize {fmt}: tensor {name}: {e}") from None
-            parts = {name: w.values, name + SCALE: w.scales, name + OFFSET: w.offsets}
-            params.update({k: placer.place(k, a) for k, a in parts.items() if a is not None})
-        else:
-            params[name] = placer.place(name, array)
-    model_config = placer.model_config
-    if fmt is not None:
-        model_config = dataclasses.replace(model_config, quantization=str(fmt))
-    return inference_model(model_config, params, fmt.activations if fmt else None)
+        array = _random(jax.random.fold_in(jax.random.key(self.seed), index), shape,
+                        self.dtype, self.placer.sharding(name, shape))
+        if self.fmt is None or not is_quantizable(name):
+            return {name: array}
+        try:
+            w = _quantized(array, self.fmt)
+        except JaxinferError as e:
+            raise JaxinferError(f"--quantize {self.fmt}: tensor {name}: {e}") from None
+        parts = {name: w.values, name + SCALE: w.scales, name + OFFSET: w.offsets}
+        return {k: a for k, a in parts.items() if a is not None}
+
+    def describe(self) -> dict:
+        return {"random": json.loads(self.config.to_json()), "dtype": self.dtype.name,
+                "seed": self.seed, "quantize": None if self.fmt is None else str(self.fmt)}
+
+    def _read(self) -> dict[str, jax.Array]:
+        params = {}
+        for i, (name, layout) in enumerate(self.layout.items()):
+            for key, array in self._tensors(i, name, layout).items():
+                params[key] = self.placer.place(key, array)
+        return params
+
+    def _build(self, params: dict) -> Decoder:
+        config = self.placer.model_config
+        if self.fmt is not None:
+            config = dataclasses.replace(config, quantization=str(self.fmt))
+        return inference_model(config, params, self.fmt.activations if self.fmt else None)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -128,3 +163,12 @@ def _random(key, shape, dtype, sharding):
     offset = 1.0 if len(shape) == 1 else 0.0
     x = (offset + 0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
     return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def weights_from(description: dict, mesh: jax.sharding.Mesh) -> PlacedWeights:
+    """The weights a `PlacedWeights.describe()` describes, placed on `mesh`."""
+    if "converted" in description:
+        return ConvertedCheckpoint(Path(description["converted"]), description["dtype"], mesh)
+    return RandomWeights(ModelConfig.from_dict(description["random"]),
+                         jnp.dtype(description["dtype"]), description["seed"], mesh,
+                         description["quantize"])

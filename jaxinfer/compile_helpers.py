@@ -1,0 +1,164 @@
+"""Compile helpers: the warm-up's step programs compiled by other processes while this one
+loads the weights, then loaded from the executable cache.
+
+Why processes: within one process the warm-up's compiles overlap badly on a GPU. Mosaic GPU
+compiles its kernels under one process-wide lock, and XLA holds a process-wide lock over
+LLVM's options while it emits code. The serve defaults' 12 programs took 52.4 s on 8
+threads of one process, and 34.1 s split over 4 processes, their start-up included (H200,
+16 cores; bench/NOTES.md, Start-up: compiling the step programs).
+
+A helper (`python -m jaxinfer.compile_helpers SPEC INDEX COUNT`) makes the runner from the
+weights' descriptions (`PlacedWeights.describe`, then `abstract_model`: no weights are read
+or made), compiles its share of the shapes (every COUNT-th from INDEX), and writes them to
+the executable cache (`jaxinfer.engine.compiled_steps`). The programs are the ones this
+process would compile: the same runner settings give the same cache keys. A helper that
+fails costs time only, since the warm-up compiles whatever the cache lacks.
+
+Helpers run where they pay: one process on GPUs with the executable cache on
+(`helper_count`; JAXINFER_COMPILE_HELPERS=N sets their number, 0 turns them off). Each
+runs with a memory pool that grows as it needs (XLA_PYTHON_CLIENT_PREALLOCATE=false), in
+what the main process's pool leaves free (1 - gpu_memory_utilization): that memory, not
+the host's cores, bounds their number on an 80 GB card (HELPER_DEVICE_BYTES).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.engine.compiled_steps import StepShape, executable_cache_dir
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.loading.plan import JAX_DEFAULT_MEM_FRACTION
+
+logger = logging.getLogger(__name__)
+
+# Host cores per helper process by default (a helper's compiles use several threads too).
+CORES_PER_HELPER = 4
+# Device memory a helper takes outside the main process's pool (its CUDA context and the
+# copies its GEMM autotuning times kernels on): on the H100 (8 GiB outside a 0.9 pool) two
+# helpers fitted, a third ran out while autotuning.
+HELPER_DEVICE_BYTES = 3 * 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSettings:
+    """What a `ModelRunner` is made from besides its model (JSON-able)."""
+
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int
+    kv_dtype: str
+    mesh: str  # a `MeshSpec` spelling (one replica)
+
+
+def helper_count(num_shapes: int, devices: Sequence[jax.Device]) -> int:
+    """How many helper processes to start for num_shapes programs: JAXINFER_COMPILE_HELPERS
+    if set, else on a GPU one per CORES_PER_HELPER cores (at most one a program), else 0
+    (the CPU: its cores are what the compiles run on anyway). 0 where the executable cache
+    is off or the job has several processes."""
+    if executable_cache_dir() is None or jax.process_count() > 1 or num_shapes == 0:
+        return 0
+    setting = os.environ.get("JAXINFER_COMPILE_HELPERS")
+    if setting:
+        return min(int(setting), num_shapes)
+    if devices[0].platform != "gpu":
+        return 0
+    stats = devices[0].memory_stats() or {}
+    pool = stats.get("bytes_limit", 0)
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_DEFAULT_MEM_FRACTION))
+    outside = pool / fraction - pool if pool else 0  # the device's memory beside the pool
+    return min((os.cpu_count() or 1) // CORES_PER_HELPER, int(outside // HELPER_DEVICE_BYTES),
+               num_shapes)
+
+
+class CompileHelpers:
+    """Helper processes compiling `shapes` into the executable cache (started at once)."""
+
+    def __init__(self, weights: dict, settings: RunnerSettings, shapes: Sequence[StepShape],
+                 count: int):
+        """weights: `PlacedWeights.describe()`; count: processes (>= 1)."""
+        self.shapes = list(shapes)
+        self._dir = Path(tempfile.mkdtemp(prefix="jaxinfer-compile-helpers-"))
+        spec = self._dir / "spec.json"
+        spec.write_text(json.dumps({"weights": weights, "runner": dataclasses.asdict(settings),
+                                    "shapes": [dataclasses.astuple(s) for s in self.shapes]}))
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        self._logs = [self._dir / f"helper-{i}.log" for i in range(count)]
+        self._processes = []
+        for i, log in enumerate(self._logs):
+            with open(log, "wb") as out:
+                self._processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "jaxinfer.compile_helpers", str(spec), str(i),
+                     str(count)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL))
+
+    def wait(self, on_poll: Callable[[], None] | None = None, interval: float = 0.25):
+        """Waits for every helper, calling on_poll() every interval seconds meanwhile; logs
+        a failed helper's last lines (its programs are then compiled by the caller)."""
+        try:
+            while any(p.poll() is None for p in self._processes):
+                if on_poll is not None:
+                    on_poll()
+                time.sleep(interval)
+            for p, log in zip(self._processes, self._logs, strict=True):
+                if p.returncode != 0:
+                    tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                    logger.warning("compile helper %s exited with %s; the warm-up compiles "
+                                   "its programs: %s", log.stem, p.returncode, " | ".join(tail))
+        finally:
+            self.close()
+
+    def close(self):
+        """Stops the helpers still running and removes their files."""
+        for p in self._processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def runner_from(weights: dict, settings: RunnerSettings) -> ModelRunner:
+    """The runner of `settings` for the weights `weights` describes, made from their
+    descriptions only (it can compile, not run)."""
+    from jaxinfer.loading.presets import weights_from
+    from jaxinfer.sharding import MeshSpec
+
+    mesh = MeshSpec.parse(settings.mesh).meshes()[0]
+    model = weights_from(weights, mesh).abstract_model()
+    return ModelRunner(model, settings.num_pages, settings.page_size, settings.max_model_len,
+                       mesh, settings.max_num_seqs, jnp.dtype(settings.kv_dtype),
+                       weights=concurrent.futures.Future())
+
+
+def main(argv: list[str]) -> int:
+    spec_path, index, count = argv[0], int(argv[1]), int(argv[2])
+    spec = json.loads(Path(spec_path).read_text())
+    runner = runner_from(spec["weights"], RunnerSettings(**spec["runner"]))
+    shapes = [StepShape(*s) for s in spec["shapes"]][index::count]
+    runner.steps.compile_many(shapes)
+    # A program compiled untuned (no memory left to autotune) is kept in memory only: then
+    # the warm-up compiles it, and this helper says so.
+    missing = [s for s in shapes if not runner.steps.on_disk(s)]
+    if missing:
+        print(f"{len(missing)} of {len(shapes)} programs not written to the executable cache "
+              f"(out of device memory while autotuning?): {missing}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
