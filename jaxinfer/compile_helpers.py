@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def helper_count(num_shapes: int, devices: Sequence[jax.Device]) -> int:
 
 
 class CompileHelpers:
-    """Helper processes compiling `shapes` into the executable cache (started at once)."""
+    """Helper processes compiling `shapes` into the executable cache (started at once);
+    `wait()` for them, or `close()` to stop them."""
 
     def __init__(self, weights: dict, settings: RunnerSettings, shapes: Sequence[StepShape],
                  count: int):
@@ -105,6 +107,9 @@ class CompileHelpers:
                     [sys.executable, "-m", "jaxinfer.compile_helpers", str(spec), str(i),
                      str(count)], env=env, stdout=out, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL))
+        # Stopped when this object goes, or the process exits, without a wait (an LLM made
+        # with start_warmup that never warms up leaves no helper behind).
+        self.close = weakref.finalize(self, _stop, self._processes, self._dir)
 
     def wait(self, on_poll: Callable[[], None] | None = None, interval: float = 0.25):
         """Waits for every helper, calling on_poll() every interval seconds meanwhile; logs
@@ -122,13 +127,14 @@ class CompileHelpers:
         finally:
             self.close()
 
-    def close(self):
-        """Stops the helpers still running and removes their files."""
-        for p in self._processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+
+def _stop(processes: list[subprocess.Popen], directory: Path):
+    """`CompileHelpers.close`: stops the helpers still running and removes their files."""
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def runner_from(weights: dict, settings: RunnerSettings) -> ModelRunner:

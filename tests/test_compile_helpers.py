@@ -2,6 +2,8 @@
 processes from the weights' descriptions, then loaded by the warm-up. On the CPU the
 helpers are forced (JAXINFER_COMPILE_HELPERS); they run where they pay on GPUs."""
 
+import gc
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -57,3 +59,13 @@ def test_a_failed_helper_leaves_its_programs_to_the_warmup(cache, monkeypatch):
     assert steps.num_loaded == 0 and steps.num_compiled == len(steps.shapes()) >= 3
     assert seen[-1] == (len(steps.shapes()),) * 2
     assert len(_greedy(llm)[0]) == 6
+
+
+def test_helpers_stop_with_their_llm(cache):
+    """An LLM made to warm up that is dropped without warming up leaves no helper running."""
+    llm = LLM(RandomWeights(preset_config("tiny"), jnp.float32), start_warmup=True, **SETTINGS)
+    processes = list(llm._helpers._processes)
+    assert processes
+    del llm
+    gc.collect()
+    assert all(p.poll() is not None for p in processes)
