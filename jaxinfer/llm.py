@@ -137,6 +137,7 @@ class LLM:
         # Weights described before they exist may load while the programs compile.
         weights = tokenizer = deferred = None
         self._helpers: CompileHelpers | None = None
+        self._own_share: list = []  # the warm-up's programs this process compiles beside them
         if isinstance(model, Decoder):  # built by the caller
             self.path, self.tokenizer = None, None
             self.model = shard_model(model, meshes[0])
@@ -225,12 +226,17 @@ class LLM:
                 raise
 
     def _start_helpers(self, weights: PlacedWeights, settings: RunnerSettings):
-        """Starts compile helpers on the warm-up's programs that the executable cache lacks."""
+        """Starts compile helpers on the warm-up's programs that the executable cache lacks,
+        but for a share that this process compiles once its weights are loaded
+        (`_own_share`, every (helpers + 1)-th program: the helpers' shares shrink by it)."""
         runner = self.runner
         shapes = [s for s in self._warmup_plans(None)[0][1] if not runner.steps.on_disk(s)]
         count = helper_count(len(shapes), runner.mesh.devices.flat)
-        if count:
-            self._helpers = CompileHelpers(weights.describe(), settings, shapes, count)
+        self._own_share = shapes[::count + 1]
+        theirs = [s for s in shapes if s not in self._own_share]
+        if count and theirs:
+            self._helpers = CompileHelpers(weights.describe(), settings, theirs,
+                                           min(count, len(theirs)))
 
     def _warmup_plans(self, max_len: int | None) -> list[tuple[ModelRunner, list]]:
         """(runner, its warm-up shapes) per replica for contexts up to max_len (`warmup`)."""
@@ -272,10 +278,15 @@ class LLM:
             show(made)
 
         with bar:
-            if self._helpers is not None:  # their programs, as they reach the disk
+            if self._helpers is not None:  # programs counted as they reach the disk
                 helpers, self._helpers = self._helpers, None
                 runner, shapes = plans[0]
-                helpers.wait(lambda: show(sum(map(runner.steps.on_disk, shapes))))
+
+                def on_disk(*_):
+                    show(sum(map(runner.steps.on_disk, shapes)))
+
+                runner.steps.compile_many(self._own_share, on_disk)
+                helpers.wait(on_disk)
             for runner, shapes in plans:
                 if multihost.is_multiprocess():  # followers compile as they run the steps
                     for shape in shapes:
