@@ -285,6 +285,7 @@ def _plot(plt, rows, ceilings, path):
 @click.option("--preset", default=None, help="Random-weight shape for the started server.")
 @_dtype_option
 @_kv_cache_option
+@kv_cache_dtype_option
 @memory_utilization_option
 @_max_num_seqs_option
 @_max_num_batched_tokens_option
@@ -316,8 +317,9 @@ def _plot(plt, rows, ceilings, path):
               help="Seed of the random prompts and their lengths.")
 @_json_option
 @_record_option
-def serve(url, model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
-          max_num_batched_tokens, max_model_len, decode_steps, page_size, api_key, mesh,
+def serve(url, model_path, preset, dtype, kv_cache_gb, kv_cache_dtype, gpu_memory_utilization,
+          max_num_seqs, max_num_batched_tokens, max_model_len, decode_steps, page_size, api_key,
+          mesh,
           server_warmup, num_requests, concurrency, input_len, output_len, range_ratio,
           warmup_passes, seed, json_path, record):
     """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles."""
@@ -337,7 +339,7 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, m
         args = ["--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
                 "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
                 str(max_num_batched_tokens), "--decode-steps", str(decode_steps),
-                "--page-size", str(page_size)]
+                "--page-size", str(page_size), "--kv-cache-dtype", kv_cache_dtype]
         if kv_cache_gb is not None:
             args += ["--kv-cache-gb", str(kv_cache_gb)]
         args += ["--preset", preset] if preset else ["--model", model_path]

@@ -21,6 +21,7 @@ from jaxinfer.cli.bench import bench as _bench_group
 from jaxinfer.cli.chat import COMMANDS, ChatHistory, read_lines, run_chat
 from jaxinfer.cli.parallel import (
     join_job,
+    kv_cache_dtype_option,
     memory_utilization_option,
     parallel_options,
     scan_layers_option,
@@ -92,6 +93,7 @@ class ModelChoice:
     dtype: str | None
     max_model_len: int | None
     kv_cache_gb: float | None
+    kv_cache_dtype: str
     gpu_memory_utilization: float
     page_size: int
     decode_steps: int
@@ -112,7 +114,7 @@ class ModelChoice:
         return LLM(self.path, dtype=self.dtype, kv_cache_bytes=kv_bytes,
                    max_model_len=self.max_model_len, page_size=self.page_size,
                    max_num_seqs=1, decode_steps=self.decode_steps, mesh=self.mesh,
-                   scan_layers=self.scan_layers,
+                   scan_layers=self.scan_layers, kv_cache_dtype=self.kv_cache_dtype,
                    gpu_memory_utilization=self.gpu_memory_utilization)
 
 
@@ -130,6 +132,7 @@ model_options = _packed([
                  help="Size of the paged KV cache in GiB (default: on a GPU or TPU what "
                       "--gpu-memory-utilization leaves after the weights and a step's reserve; "
                       "on the CPU what one sequence of --max-model-len needs, at most 1)."),
+    kv_cache_dtype_option,
     memory_utilization_option,
     click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
                  help="Tokens per KV-cache page (prefix caching shares whole pages)."),

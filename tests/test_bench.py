@@ -201,12 +201,13 @@ def test_bench_rejects_model_and_preset(tmp_path):
 
 
 def test_bench_serve_tiny(tmp_path):
-    """The load generator against a real `jaxinfer serve` process on loopback."""
+    """The load generator against a real `jaxinfer serve` process on loopback, started with
+    fp8 KV pages (one byte a K/V element in the roofline's bytes)."""
     data = _run(["serve", "--preset", "tiny", "--dtype", "float32", "--num-requests", "6",
                  "--concurrency", "3", "--input-len", "20", "--output-len", "8",
                  "--kv-cache-gb", "0.01", "--max-num-seqs", "4", "--max-num-batched-tokens",
                  "64", "--decode-steps", "4", "--page-size", "8", "--no-server-warmup",
-                 "--warmup-passes", "0"],
+                 "--warmup-passes", "0", "--kv-cache-dtype", "fp8"],
                 tmp_path)
     assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0
     for key in ("ttft_ms", "itl_ms", "latency_ms"):
@@ -214,10 +215,10 @@ def test_bench_serve_tiny(tmp_path):
         assert 0 < p["p50"] <= p["p90"] <= p["p99"], (key, p)
     assert 0 < data["fraction_of_roofline"] and data["roofline_output_tokens_per_s"] > 0
     # The decode row's bytes, from the server's published sizes: float32 weights read by a
-    # step of 3 tokens (3 embedding rows) and 3 sequences' K/V at the mean context.
+    # step of 3 tokens (3 embedding rows) and 3 sequences' fp8 K/V at the mean context.
     config = preset_config("tiny")
     _, others, _ = hand_count(config)
     ctx = data["mean_input_len"] + 8 / 2
     (row,) = data["rows"]
     assert row["bytes"] == pytest.approx(4 * (others + 3 * config.hidden_size)
-                                         + 3 * ctx * config.kv_bytes_per_token(4))
+                                         + 3 * ctx * config.kv_bytes_per_token(1))

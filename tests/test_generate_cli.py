@@ -279,11 +279,14 @@ def test_memory_flags_reach_the_llm(monkeypatch):
     result = CliRunner().invoke(cli, ["chat", "--model", "somewhere", "--kv-cache-gb", "0.5",
                                       "--page-size", "32", "--decode-steps", "4",
                                       "--max-model-len", "512", "--dtype", "float32",
-                                      "--scan-layers", "--gpu-memory-utilization", "0.5"])
+                                      "--scan-layers", "--gpu-memory-utilization", "0.5",
+                                      "--kv-cache-dtype", "fp8"])
     assert error_line(result) == "Error: not loaded"
     assert built == dict(path="somewhere", dtype="float32", kv_cache_bytes=2**29,
                          max_model_len=512, page_size=32, max_num_seqs=1, decode_steps=4,
-                         mesh=None, scan_layers=True, gpu_memory_utilization=0.5)
+                         mesh=None, scan_layers=True, gpu_memory_utilization=0.5,
+                         kv_cache_dtype="fp8")
     # Without --kv-cache-gb the LLM sizes the cache for its one sequence.
     CliRunner().invoke(cli, ["generate", "--model", "somewhere", "--prompt", "hi"])
     assert built["kv_cache_bytes"] is None and built["max_num_seqs"] == 1
+    assert built["kv_cache_dtype"] == "auto"
