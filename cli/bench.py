@@ -315,20 +315,34 @@ def _plot(plt, rows, ceilings, path):
                    "the measured one compiles nothing.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the random prompts and their lengths.")
+@click.option("--disconnect-fraction", type=click.FloatRange(0, 1), default=0.0,
+              show_default=True,
+              help="Soak: this share of the measured requests close their stream mid-way.")
+@click.option("--malformed-fraction", type=click.FloatRange(0, 1), default=0.0,
+              show_default=True,
+              help="Soak: this share are malformed requests, each of which must get a 4xx.")
+@click.option("--check-solo", type=click.IntRange(min=0), default=0, show_default=True,
+              help="After the run, send this many completed requests again one at a time "
+                   "and count those whose greedy tokens differ.")
 @_json_option
 @_record_option
 def serve(url, model_path, preset, dtype, kv_cache_gb, kv_cache_dtype, gpu_memory_utilization,
           max_num_seqs, max_num_batched_tokens, max_model_len, decode_steps, page_size, api_key,
           mesh,
           server_warmup, num_requests, concurrency, input_len, output_len, range_ratio,
-          warmup_passes, seed, json_path, record):
-    """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles."""
+          warmup_passes, seed, disconnect_fraction, malformed_fraction, check_solo, json_path,
+          record):
+    """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles. As a
+    soak (--disconnect-fraction, --malformed-fraction): the server must answer every request
+    and end with no request left and no KV page held, else the command fails."""
     # The load generator needs httpx, of the optional `serve` extra.
     from jaxinfer.benchmarks.serve_load import (
         decode_roofline,
         format_summary,
         random_prompts,
         run_load,
+        soak_roles,
+        solo_mismatches,
     )
     _check_outputs(json=json_path, record=record)
     server, ceilings = None, None
@@ -360,7 +374,14 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, kv_cache_dtype, gpu_memor
                                                         info["vocab_size"], seed + 1 + i),
                      output_len, concurrency, api_key)
         prompts = random_prompts(num_requests, input_len, range_ratio, info["vocab_size"], seed)
-        summary = run_load(url, info["model"], prompts, output_len, concurrency, api_key)
+        roles = soak_roles(num_requests, disconnect_fraction, malformed_fraction, seed)
+        results = []
+        summary = run_load(url, info["model"], prompts, output_len, concurrency, api_key,
+                           roles, seed, keep=results)
+        summary.update(_server_left(url, server))
+        if check_solo:
+            summary.update(solo_mismatches(url, info["model"], prompts, results, output_len,
+                                           check_solo, api_key))
     finally:
         if server is not None:
             server.terminate()
@@ -379,6 +400,36 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, kv_cache_dtype, gpu_memor
                              2 * info["active_weight_count"] * c, ceilings))
     _report("serve", ceilings or Ceilings(float("nan"), float("nan")), rows,
             format_summary(summary), summary, json_path, record)
+    if summary["requests_left"] or summary["kv_pages_left"]:
+        raise JaxinferError(f"after the load the server still holds "
+                            f"{summary['requests_left']} requests and "
+                            f"{summary['kv_pages_left']} KV pages")
+
+
+def _server_left(url: str, server, wait_s: float = 30.0) -> dict:
+    """What the server holds once the load is over (requests, KV pages in use: both 0 unless
+    something leaked), waiting up to wait_s for it to let go of disconnected streams."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        if server is not None and server.poll() is not None:
+            raise JaxinferError(f"the server exited with status {server.returncode} "
+                                "during the load")
+        families = list(text_string_to_metric_families(
+            httpx.get(url + "/metrics", timeout=10).text))
+        values = {f.name: f.samples[0].value for f in families if f.samples}
+        left = {"requests_left": int(values["jaxinfer_num_requests_running"]
+                                     + values["jaxinfer_num_requests_waiting"]),
+                "kv_pages_left": int(values["jaxinfer_kv_pages_in_use"])}
+        if not any(left.values()) or time.monotonic() > deadline:
+            # Requests the server ended because their client went away (all passes).
+            left["requests_aborted"] = int(sum(
+                x.value for f in families if f.name == "jaxinfer_requests"
+                for x in f.samples if x.labels.get("finish_reason") == "abort"))
+            return left
+        time.sleep(0.2)
 
 
 def _start_server(args: list[str]):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 from click.testing import CliRunner
 
+from jaxinfer.benchmarks.serve_load import soak_roles
 from jaxinfer.cli.main import cli
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.loading.weights import (
@@ -193,6 +194,31 @@ def test_every_bench_option_has_help():
     missing = [f"{name} {opt.opts[0]}" for name, command in bench.commands.items()
                for opt in command.params if isinstance(opt, click.Option) and not opt.help]
     assert not missing, missing
+
+
+def test_bench_serve_soak(tmp_path):
+    """A CI-sized soak against a real server process: clients that leave mid-stream (the
+    server aborts their requests) and malformed requests (each must get a 4xx), then nothing
+    left on the server (requests, KV pages), and completed greedy requests sent again alone
+    give the same tokens."""
+    data = _run(["serve", "--preset", "tiny", "--dtype", "float32", "--num-requests", "60",
+                 "--concurrency", "16", "--input-len", "24", "--range-ratio", "0.5",
+                 "--output-len", "48", "--kv-cache-gb", "0.01", "--max-num-seqs", "8",
+                 "--max-num-batched-tokens", "64", "--page-size", "8", "--no-server-warmup",
+                 "--warmup-passes", "0", "--disconnect-fraction", "0.1",
+                 "--malformed-fraction", "0.05", "--check-solo", "10"], tmp_path)
+    assert (data["num_requests"], data["num_disconnected"], data["num_malformed"]) == (60, 6, 3)
+    assert data["requests_left"] == 0 and data["kv_pages_left"] == 0
+    # A disconnect is noticed at the stream's next write, so one whose last tokens were
+    # already on their way may finish first; most are aborted.
+    assert 3 <= data["requests_aborted"] <= 6
+    assert data["solo_compared"] == 10 and data["solo_mismatches"] == 0
+
+
+def test_soak_roles_and_malformed_requests_are_counted():
+    roles = soak_roles(200, 0.1, 0.05, seed=3)
+    assert (roles.count("disconnect"), roles.count("malformed")) == (20, 10)
+    assert roles == soak_roles(200, 0.1, 0.05, seed=3) != soak_roles(200, 0.1, 0.05, seed=4)
 
 
 def test_bench_rejects_model_and_preset(tmp_path):

@@ -3,7 +3,9 @@
 Sends `num_requests` streaming /v1/completions requests of random token-id prompts
 (lengths uniform in [input_len * (1 - range_ratio), input_len]), at most
 `concurrency` in flight, each generating exactly output_len tokens (ignore_eos),
-and reports what a user of the server sees:
+and reports what a user of the server sees (a soak mixes in clients that disconnect
+mid-stream and malformed requests: `soak_roles`; `solo_mismatches` sends completed
+requests again one at a time):
 
   - request throughput and output tokens/s over the whole run;
   - TTFT (request sent -> first token received) and inter-token latency (the gap
@@ -40,9 +42,21 @@ class RequestResult:
     output_tokens: int = 0
     itls: list[float] = dataclasses.field(default_factory=list)
     error: str = ""
+    role: str = "complete"  # "complete", "disconnect" (closes its stream early), "malformed"
+    token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
-async def _one(client: httpx.AsyncClient, payload: dict) -> RequestResult:
+# Malformed requests of a soak (each must get a 4xx, and the server go on): a body that is
+# not JSON, a prompt holding a negative token id, a negative max_tokens, a string where a
+# number goes.
+MALFORMED = (b"{not json", {"prompt": [5, -3, 7], "max_tokens": 4},
+             {"prompt": [5, 6], "max_tokens": -1}, {"prompt": [5, 6], "temperature": "hot"})
+
+
+async def _one(client: httpx.AsyncClient, payload: dict,
+               disconnect_after: int | None = None) -> RequestResult:
+    """Streams one completion; disconnect_after: close the stream once that many tokens
+    came (a client that goes away mid-stream)."""
     start = time.perf_counter()
     result, last = RequestResult(ok=False), None
     async with client.stream("POST", "/v1/completions", json=payload) as resp:
@@ -55,16 +69,20 @@ async def _one(client: httpx.AsyncClient, payload: dict) -> RequestResult:
             if (data := line[len("data: "):]) == "[DONE]":
                 break
             choices = json.loads(data).get("choices") or []
-            n = len(choices[0].get("token_ids") or []) if choices else 0
-            if n == 0:
+            ids = (choices[0].get("token_ids") or []) if choices else []
+            if not ids:
                 continue
             now = time.perf_counter()
             if last is None:
                 result.ttft = now - start
             else:
-                result.itls += [(now - last) / n] * n
+                result.itls += [(now - last) / len(ids)] * len(ids)
             last = now
-            result.output_tokens += n
+            result.output_tokens += len(ids)
+            result.token_ids += ids
+            if disconnect_after is not None and result.output_tokens >= disconnect_after:
+                result.role, result.ok = "disconnect", True
+                return result  # leaving the stream closes the connection
     result.latency = time.perf_counter() - start
     result.ok = result.output_tokens == payload["max_tokens"]
     if not result.ok:
@@ -72,23 +90,65 @@ async def _one(client: httpx.AsyncClient, payload: dict) -> RequestResult:
     return result
 
 
-async def _run(url: str, model: str, prompts: list[list[int]], output_len: int,
-               concurrency: int, api_key: str | None) -> tuple[list[RequestResult], float]:
-    limit = asyncio.Semaphore(concurrency)
+async def _malformed(client: httpx.AsyncClient, model: str, index: int) -> RequestResult:
+    """One of MALFORMED; ok when the server answers it with a 4xx."""
+    body = MALFORMED[index % len(MALFORMED)]
+    if isinstance(body, bytes):
+        resp = await client.post("/v1/completions", content=body,
+                                 headers={"Content-Type": "application/json"})
+    else:
+        resp = await client.post("/v1/completions", json={"model": model, **body})
+    ok = 400 <= resp.status_code < 500
+    return RequestResult(ok=ok, role="malformed",
+                         error="" if ok else f"malformed request {index % len(MALFORMED)}: "
+                                            f"HTTP {resp.status_code}")
+
+
+def _client(url: str, api_key: str | None, connections: int) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = httpx.Timeout(None, connect=10.0)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        async def limited(prompt):
+    return httpx.AsyncClient(base_url=url, headers=headers,
+                             timeout=httpx.Timeout(None, connect=10.0),
+                             limits=httpx.Limits(max_connections=connections))
+
+
+def _payload(model: str, prompt: list[int], output_len: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+
+
+async def _run(url: str, model: str, prompts: list[list[int]], output_len: int,
+               concurrency: int, api_key: str | None, roles: list[str], seed: int
+               ) -> tuple[list[RequestResult], float]:
+    limit = asyncio.Semaphore(concurrency)
+    rng = np.random.default_rng(seed)
+    cut = rng.integers(1, max(output_len, 2), len(prompts))  # where disconnects leave
+    async with _client(url, api_key, concurrency + 4) as client:
+        async def limited(i, prompt):
             async with limit:
-                return await _one(client, {
-                    "model": model, "prompt": prompt, "max_tokens": output_len,
-                    "temperature": 0.0, "ignore_eos": True, "stream": True,
-                    "return_token_ids": True})
+                if roles[i] == "malformed":
+                    return await _malformed(client, model, i)
+                return await _one(client, _payload(model, prompt, output_len),
+                                  int(cut[i]) if roles[i] == "disconnect" else None)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in prompts))
+        results = await asyncio.gather(*(limited(i, p) for i, p in enumerate(prompts)))
         return list(results), time.perf_counter() - start
+
+
+def solo_mismatches(url: str, model: str, prompts: list[list[int]], results: list,
+                    output_len: int, sample: int, api_key: str | None = None) -> dict:
+    """Sends up to `sample` of the completed requests again, one at a time, and counts those
+    whose greedy tokens differ from what they got under load."""
+    done = [i for i, r in enumerate(results) if r.role == "complete" and r.ok][:sample]
+
+    async def solo():
+        async with _client(url, api_key, 2) as client:
+            return [await _one(client, _payload(model, prompts[i], output_len)) for i in done]
+
+    again = asyncio.run(solo())
+    differ = [i for i, r in zip(done, again, strict=True)
+              if r.token_ids != results[i].token_ids]
+    return {"solo_compared": len(done), "solo_mismatches": len(differ)}
 
 
 def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, float]:
@@ -105,22 +165,46 @@ def random_prompts(num: int, input_len: int, range_ratio: float, vocab: int,
     return [rng.integers(2, vocab, n).tolist() for n in lens]
 
 
+def soak_roles(num: int, disconnect_fraction: float, malformed_fraction: float,
+               seed: int) -> list[str]:
+    """Each request's role: round(num * fraction) of them disconnect mid-stream or are
+    malformed, the others complete (chosen by seed)."""
+    roles = ["complete"] * num
+    order = np.random.default_rng(seed).permutation(num)
+    n_disconnect = round(num * disconnect_fraction)
+    n_malformed = round(num * malformed_fraction)
+    for i in order[:n_disconnect]:
+        roles[i] = "disconnect"
+    for i in order[n_disconnect:n_disconnect + n_malformed]:
+        roles[i] = "malformed"
+    return roles
+
+
 def run_load(url: str, model: str, prompts: list[list[int]], output_len: int,
-             concurrency: int, api_key: str | None = None) -> dict:
-    """Runs the load; returns the summary (times in ms). Raises if any request failed."""
+             concurrency: int, api_key: str | None = None, roles: list[str] | None = None,
+             seed: int = 0, keep: list | None = None) -> dict:
+    """Runs the load; returns the summary (times in ms, over the completed requests).
+    roles: each request's (`soak_roles`; default: all complete). keep: a list the
+    RequestResults are appended to. Raises if any request failed (a malformed one fails
+    when it gets no 4xx)."""
+    roles = roles or ["complete"] * len(prompts)
     results, seconds = asyncio.run(_run(url, model, prompts, output_len, concurrency,
-                                        api_key))
+                                        api_key, roles, seed))
+    if keep is not None:
+        keep.extend(results)
     if failed := [r for r in results if not r.ok]:
         raise RuntimeError(f"{len(failed)} of {len(results)} requests failed; first: "
                            f"{failed[0].error}")
+    complete = [r for r in results if r.role == "complete"]
     output_tokens = sum(r.output_tokens for r in results)
     return {
         "num_requests": len(results), "concurrency": concurrency, "seconds": seconds,
+        "num_disconnected": roles.count("disconnect"), "num_malformed": roles.count("malformed"),
         "mean_input_len": statistics.mean(len(p) for p in prompts), "output_len": output_len,
         "requests_per_s": len(results) / seconds, "output_tokens_per_s": output_tokens / seconds,
-        "ttft_ms": percentiles([r.ttft for r in results]),
-        "itl_ms": percentiles([x for r in results for x in r.itls]),
-        "latency_ms": percentiles([r.latency for r in results]),
+        "ttft_ms": percentiles([r.ttft for r in complete]),
+        "itl_ms": percentiles([x for r in complete for x in r.itls]),
+        "latency_ms": percentiles([r.latency for r in complete]),
     }
 
 
@@ -150,6 +234,15 @@ def format_summary(s: dict) -> str:
              "", "| ms | p50 | p90 | p99 |", "| --- | --- | --- | --- |",
              row("TTFT", s["ttft_ms"]), row("inter-token latency", s["itl_ms"]),
              row("request latency", s["latency_ms"])]
+    if s.get("num_disconnected") or s.get("num_malformed") or "kv_pages_left" in s:
+        lines += ["", f"soak: {s.get('num_disconnected', 0)} clients disconnected mid-stream, "
+                  f"{s.get('num_malformed', 0)} malformed requests answered 4xx, "
+                  f"{s.get('requests_aborted', 0)} requests aborted; after the "
+                  f"load the server held {s.get('requests_left', 0)} requests and "
+                  f"{s.get('kv_pages_left', 0)} KV pages"]
+    if "solo_compared" in s:
+        lines.append(f"{s['solo_mismatches']} of {s['solo_compared']} completed requests sent "
+                     "again one at a time gave other greedy tokens")
     if "fraction_of_roofline" in s:
         lines += ["", f"decode roofline at this concurrency: "
                   f"{s['roofline_output_tokens_per_s']:.1f} output tokens/s; reached "
