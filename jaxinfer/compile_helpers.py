@@ -7,12 +7,15 @@ LLVM's options while it emits code. The serve defaults' 12 programs took 52.4 s 
 threads of one process, and 34.1 s split over 4 processes, their start-up included (H200,
 16 cores; bench/NOTES.md, Start-up: compiling the step programs).
 
-A helper (`python -m jaxinfer.compile_helpers SPEC INDEX COUNT`) makes the runner from the
-weights' descriptions (`PlacedWeights.describe`, then `abstract_model`: no weights are read
-or made), compiles its share of the shapes (every COUNT-th from INDEX), and writes them to
-the executable cache (`jaxinfer.engine.compiled_steps`). The programs are the ones this
-process would compile: the same runner settings give the same cache keys. A helper that
-fails costs time only, since the warm-up compiles whatever the cache lacks.
+A helper (`python -m jaxinfer.compile_helpers SPEC`) makes the runner from the weights'
+descriptions (`PlacedWeights.describe`, then `abstract_model`: no weights are read or
+made), compiles programs and writes them to the executable cache
+(`jaxinfer.engine.compiled_steps`). The programs are the ones this process would compile:
+the same runner settings give the same cache keys. The helpers and, once its weights are
+loaded, the server take the programs from one queue, the most costly first
+(`compile_claimed`: a program is claimed by creating a file, which one process wins), so a
+slow load or a slow helper shifts the work to the others. A helper that fails costs time
+only, since the warm-up compiles whatever the cache lacks.
 
 Helpers run where they pay: one process on GPUs with the executable cache on
 (`helper_count`; JAXINFER_COMPILE_HELPERS=N sets their number, 0 turns them off). Each
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -40,7 +44,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.compiled_steps import StepShape, executable_cache_dir
+from jaxinfer.engine.compiled_steps import CompiledSteps, StepShape, executable_cache_dir
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.loading.plan import JAX_DEFAULT_MEM_FRACTION
 
@@ -95,21 +99,27 @@ class CompileHelpers:
         """weights: `PlacedWeights.describe()`; count: processes (>= 1)."""
         self.shapes = list(shapes)
         self._dir = Path(tempfile.mkdtemp(prefix="jaxinfer-compile-helpers-"))
+        self.claims = self._dir / "claims"
+        self.claims.mkdir()
         spec = self._dir / "spec.json"
         spec.write_text(json.dumps({"weights": weights, "runner": dataclasses.asdict(settings),
-                                    "shapes": [dataclasses.astuple(s) for s in self.shapes]}))
+                                    "shapes": [dataclasses.astuple(s) for s in self.shapes],
+                                    "claims": str(self.claims)}))
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         self._logs = [self._dir / f"helper-{i}.log" for i in range(count)]
         self._processes = []
-        for i, log in enumerate(self._logs):
+        for log in self._logs:
             with open(log, "wb") as out:
                 self._processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "jaxinfer.compile_helpers", str(spec), str(i),
-                     str(count)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL))
+                    [sys.executable, "-m", "jaxinfer.compile_helpers", str(spec)], env=env,
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         # Stopped when this object goes, or the process exits, without a wait (an LLM made
         # with start_warmup that never warms up leaves no helper behind).
         self.close = weakref.finalize(self, _stop, self._processes, self._dir)
+
+    def compile_here(self, steps: CompiledSteps, on_done: Callable[[], None] | None = None):
+        """This process's part: the programs left in the queue, compiled on its threads."""
+        compile_claimed(steps, self.shapes, self.claims, CORES_PER_HELPER, on_done)
 
     def wait(self, on_poll: Callable[[], None] | None = None, interval: float = 0.25):
         """Waits for every helper, calling on_poll() every interval seconds meanwhile; logs
@@ -137,6 +147,32 @@ def _stop(processes: list[subprocess.Popen], directory: Path):
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def compile_claimed(steps: CompiledSteps, shapes: Sequence[StepShape], claims: Path,
+                    threads: int, on_done: Callable[[], None] | None = None) -> list:
+    """Compiles, on `threads` threads, every shape of `shapes` that this call claims
+    (creates its file in `claims`; another process or thread that created it first has
+    it), the most tokens first: a long program started last would end the warm-up late.
+    Returns the shapes it claimed; calls on_done() after each."""
+    claimed = []
+
+    def work():
+        for shape in sorted(shapes, key=lambda s: (-s.num_tokens, s)):
+            name = hashlib.sha256(repr(shape).encode()).hexdigest()[:32]
+            try:
+                os.close(os.open(claims / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+            claimed.append(shape)
+            steps.compile_many([shape])
+            if on_done is not None:
+                on_done()
+
+    with concurrent.futures.ThreadPoolExecutor(threads, "compile-claimed") as pool:
+        for future in [pool.submit(work) for _ in range(threads)]:
+            future.result()
+    return claimed
+
+
 def runner_from(weights: dict, settings: RunnerSettings) -> ModelRunner:
     """The runner of `settings` for the weights `weights` describes, made from their
     descriptions only (it can compile, not run)."""
@@ -151,11 +187,10 @@ def runner_from(weights: dict, settings: RunnerSettings) -> ModelRunner:
 
 
 def main(argv: list[str]) -> int:
-    spec_path, index, count = argv[0], int(argv[1]), int(argv[2])
-    spec = json.loads(Path(spec_path).read_text())
+    spec = json.loads(Path(argv[0]).read_text())
     runner = runner_from(spec["weights"], RunnerSettings(**spec["runner"]))
-    shapes = [StepShape(*s) for s in spec["shapes"]][index::count]
-    runner.steps.compile_many(shapes)
+    shapes = compile_claimed(runner.steps, [StepShape(*s) for s in spec["shapes"]],
+                             Path(spec["claims"]), CORES_PER_HELPER)
     # A program compiled untuned (no memory left to autotune) is kept in memory only: then
     # the warm-up compiles it, and this helper says so.
     missing = [s for s in shapes if not runner.steps.on_disk(s)]

@@ -137,7 +137,6 @@ class LLM:
         # Weights described before they exist may load while the programs compile.
         weights = tokenizer = deferred = None
         self._helpers: CompileHelpers | None = None
-        self._own_share: list = []  # the warm-up's programs this process compiles beside them
         if isinstance(model, Decoder):  # built by the caller
             self.path, self.tokenizer = None, None
             self.model = shard_model(model, meshes[0])
@@ -226,17 +225,12 @@ class LLM:
                 raise
 
     def _start_helpers(self, weights: PlacedWeights, settings: RunnerSettings):
-        """Starts compile helpers on the warm-up's programs that the executable cache lacks,
-        but for a share that this process compiles once its weights are loaded
-        (`_own_share`, every (helpers + 1)-th program: the helpers' shares shrink by it)."""
+        """Starts compile helpers on the warm-up's programs that the executable cache lacks
+        (this process takes from their queue too once its weights are loaded: `warmup`)."""
         runner = self.runner
         shapes = [s for s in self._warmup_plans(None)[0][1] if not runner.steps.on_disk(s)]
-        count = helper_count(len(shapes), runner.mesh.devices.flat)
-        self._own_share = shapes[::count + 1]
-        theirs = [s for s in shapes if s not in self._own_share]
-        if count and theirs:
-            self._helpers = CompileHelpers(weights.describe(), settings, theirs,
-                                           min(count, len(theirs)))
+        if count := helper_count(len(shapes), runner.mesh.devices.flat):
+            self._helpers = CompileHelpers(weights.describe(), settings, shapes, count)
 
     def _warmup_plans(self, max_len: int | None) -> list[tuple[ModelRunner, list]]:
         """(runner, its warm-up shapes) per replica for contexts up to max_len (`warmup`)."""
@@ -285,7 +279,7 @@ class LLM:
                 def on_disk(*_):
                     show(sum(map(runner.steps.on_disk, shapes)))
 
-                runner.steps.compile_many(self._own_share, on_disk)
+                helpers.compile_here(runner.steps, on_disk)
                 helpers.wait(on_disk)
             for runner, shapes in plans:
                 if multihost.is_multiprocess():  # followers compile as they run the steps
