@@ -72,9 +72,10 @@ class RunnerSettings:
 
 def helper_count(num_shapes: int, devices: Sequence[jax.Device]) -> int:
     """How many helper processes to start for num_shapes programs: JAXINFER_COMPILE_HELPERS
-    if set, else on a GPU one per CORES_PER_HELPER cores (at most one a program), else 0
-    (the CPU: its cores are what the compiles run on anyway). 0 where the executable cache
-    is off or the job has several processes."""
+    if set, else on a GPU one per CORES_PER_HELPER host cores and per HELPER_DEVICE_BYTES of
+    device memory outside JAX's pool (at most one a program), else 0 (the CPU: its cores are
+    what the compiles run on anyway). 0 where the executable cache is off or the job has
+    several processes."""
     if executable_cache_dir() is None or jax.process_count() > 1 or num_shapes == 0:
         return 0
     setting = os.environ.get("JAXINFER_COMPILE_HELPERS")
