@@ -32,6 +32,7 @@ from jaxinfer.benchmarks.harness import (
 )
 from jaxinfer.benchmarks.kernels import bench_kernels
 from jaxinfer.cli.parallel import (
+    batch_invariant_option,
     kv_cache_dtype_option,
     memory_utilization_option,
     random_or_path,
@@ -89,6 +90,7 @@ def _model_options(fn):
         _kv_cache_option,
         memory_utilization_option,
         kv_cache_dtype_option,
+        batch_invariant_option,
         _max_num_seqs_option,
         _max_num_batched_tokens_option,
         click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
@@ -127,7 +129,7 @@ def _check_model_args(model_path, preset, quantize):
 
 def _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, kv_cache_dtype,
           max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh=None,
-          quantize=None):
+          quantize=None, batch_invariant=False):
     _check_model_args(model_path, preset, quantize)
     set_memory_utilization(gpu_memory_utilization)  # before JAX starts
     model = random_or_path(model_path, preset, dtype, mesh, quantize)
@@ -136,7 +138,7 @@ def _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, kv_cac
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               decode_steps=decode_steps, page_size=page_size, mesh=mesh,
               gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
-              start_warmup=True)
+              start_warmup=True, batch_invariant=batch_invariant)
     if llm.kv_plan is not None:
         click.echo(llm.kv_plan.format(page_size), err=True)
     # As a server does: its programs compile (XLA autotuning their GEMMs) before the KV
@@ -203,14 +205,16 @@ def kernels(backend, small, json_path, record, profile, plot):
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed runs after the compiling one; the report gives their medians.")
 def latency(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utilization,
-            kv_cache_dtype, max_num_seqs, max_num_batched_tokens, decode_steps, page_size,
-            json_path, record, profile, mesh, batch, input_len, output_len, repeats):
+            kv_cache_dtype, batch_invariant, max_num_seqs, max_num_batched_tokens,
+            decode_steps, page_size, json_path, record, profile, mesh, batch, input_len,
+            output_len, repeats):
     """Time to first token and per-token decode time."""
     _check_model_args(model_path, preset, quantize)
     _check_outputs(json=json_path, record=record)
     ceilings = ceilings_in_child_process()
     llm = _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, kv_cache_dtype,
-                max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh, quantize)
+                max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh, quantize,
+                batch_invariant)
     with _profiled(profile):
         r, rows = bench_latency(llm, input_len, output_len, batch, ceilings, repeats=repeats)
     headline = (f"TTFT {r['ttft_ms']:.1f} ms · per-token {r['itl_ms']:.2f} ms · "
@@ -229,14 +233,16 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utiliza
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
               help="Tokens generated per request (EOS ignored).")
 def throughput(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utilization,
-               kv_cache_dtype, max_num_seqs, max_num_batched_tokens, decode_steps, page_size,
-               json_path, record, profile, mesh, num_requests, input_len, output_len):
+               kv_cache_dtype, batch_invariant, max_num_seqs, max_num_batched_tokens,
+               decode_steps, page_size, json_path, record, profile, mesh, num_requests,
+               input_len, output_len):
     """Offline throughput: N requests at once; output tokens/s."""
     _check_model_args(model_path, preset, quantize)
     _check_outputs(json=json_path, record=record)
     ceilings = ceilings_in_child_process()
     llm = _load(model_path, preset, dtype, kv_cache_gb, gpu_memory_utilization, kv_cache_dtype,
-                max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh, quantize)
+                max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh, quantize,
+                batch_invariant)
     with _profiled(profile):
         r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
     decode, roof = r["decode_tokens_per_s"], r["decode_roofline_tokens_per_s"]
@@ -286,6 +292,7 @@ def _plot(plt, rows, ceilings, path):
 @_dtype_option
 @_kv_cache_option
 @kv_cache_dtype_option
+@batch_invariant_option
 @memory_utilization_option
 @_max_num_seqs_option
 @_max_num_batched_tokens_option
@@ -326,12 +333,11 @@ def _plot(plt, rows, ceilings, path):
                    "and count those whose greedy tokens differ.")
 @_json_option
 @_record_option
-def serve(url, model_path, preset, dtype, kv_cache_gb, kv_cache_dtype, gpu_memory_utilization,
-          max_num_seqs, max_num_batched_tokens, max_model_len, decode_steps, page_size, api_key,
-          mesh,
-          server_warmup, num_requests, concurrency, input_len, output_len, range_ratio,
-          warmup_passes, seed, disconnect_fraction, malformed_fraction, check_solo, json_path,
-          record):
+def serve(url, model_path, preset, dtype, kv_cache_gb, kv_cache_dtype, batch_invariant,
+          gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, max_model_len,
+          decode_steps, page_size, api_key, mesh, server_warmup, num_requests, concurrency,
+          input_len, output_len, range_ratio, warmup_passes, seed, disconnect_fraction,
+          malformed_fraction, check_solo, json_path, record):
     """Load-test the OpenAI-compatible server: throughput, TTFT and ITL percentiles. As a
     soak (--disconnect-fraction, --malformed-fraction): the server must answer every request
     and end with no request left and no KV page held, else the command fails."""
@@ -356,6 +362,8 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, kv_cache_dtype, gpu_memor
                 "--page-size", str(page_size), "--kv-cache-dtype", kv_cache_dtype]
         if kv_cache_gb is not None:
             args += ["--kv-cache-gb", str(kv_cache_gb)]
+        if batch_invariant:
+            args.append("--batch-invariant")
         args += ["--preset", preset] if preset else ["--model", model_path]
         if max_model_len:
             args += ["--max-model-len", str(max_model_len)]

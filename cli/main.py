@@ -20,6 +20,7 @@ import click
 from jaxinfer.cli.bench import bench as _bench_group
 from jaxinfer.cli.chat import COMMANDS, ChatHistory, read_lines, run_chat
 from jaxinfer.cli.parallel import (
+    batch_invariant_option,
     join_job,
     kv_cache_dtype_option,
     memory_utilization_option,
@@ -94,6 +95,7 @@ class ModelChoice:
     max_model_len: int | None
     kv_cache_gb: float | None
     kv_cache_dtype: str
+    batch_invariant: bool
     gpu_memory_utilization: float
     page_size: int
     decode_steps: int
@@ -115,6 +117,7 @@ class ModelChoice:
                    max_model_len=self.max_model_len, page_size=self.page_size,
                    max_num_seqs=1, decode_steps=self.decode_steps, mesh=self.mesh,
                    scan_layers=self.scan_layers, kv_cache_dtype=self.kv_cache_dtype,
+                   batch_invariant=self.batch_invariant,
                    gpu_memory_utilization=self.gpu_memory_utilization)
 
 
@@ -133,6 +136,7 @@ model_options = _packed([
                       "--gpu-memory-utilization leaves after the weights and a step's reserve; "
                       "on the CPU what one sequence of --max-model-len needs, at most 1)."),
     kv_cache_dtype_option,
+    batch_invariant_option,
     memory_utilization_option,
     click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
                  help="Tokens per KV-cache page (prefix caching shares whole pages)."),

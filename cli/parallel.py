@@ -22,6 +22,11 @@ kv_cache_dtype_option = click.option(
     help="The KV cache's dtype: auto (the model's) or fp8 (float8_e4m3fn, scale 1: half the "
          "bytes of bf16 a token, as vLLM's --kv-cache-dtype fp8).")
 
+batch_invariant_option = click.option(
+    "--batch-invariant", is_flag=True,
+    help="Each request's tokens and logprobs bitwise the same whatever shares its batch "
+         "(slower; dense models on the CPU so far).")
+
 scan_layers_option = click.option(
     "--scan-layers/--no-scan-layers", default=None,
     help="Run the layers as a scan over stacked weights: step programs compile in half the "

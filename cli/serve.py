@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from jaxinfer.cli.parallel import (
+    batch_invariant_option,
     join_job,
     kv_cache_dtype_option,
     memory_utilization_option,
@@ -70,6 +71,7 @@ def _bind(host: str, port: int) -> socket.socket:
                    "1).")
 @memory_utilization_option
 @kv_cache_dtype_option
+@batch_invariant_option
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2),
               help="Longest prompt + output (default: the model's context, capped by the cache).")
 @click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
@@ -81,9 +83,8 @@ def _bind(host: str, port: int) -> socket.socket:
 @parallel_options
 def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max_num_seqs,
           max_num_batched_tokens, kv_cache_gb, gpu_memory_utilization, kv_cache_dtype,
-          max_model_len,
-          decode_steps, page_size, no_warmup, scan_layers, mesh, coordinator, num_processes,
-          process_id):
+          batch_invariant, max_model_len, decode_steps, page_size, no_warmup, scan_layers, mesh,
+          coordinator, num_processes, process_id):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics)."""
     start = time.perf_counter() - (_seconds_since_process_start() or 0.0)
@@ -109,7 +110,7 @@ def serve(model_path, preset, dtype, host, port, api_key, served_model_name, max
               max_num_batched_tokens=max_num_batched_tokens, decode_steps=decode_steps,
               page_size=page_size, mesh=mesh, scan_layers=scan_layers,
               gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
-              start_warmup=not no_warmup)
+              start_warmup=not no_warmup, batch_invariant=batch_invariant)
     if not leader:  # runs process 0's steps until it exits
         llm.follow()
         return

@@ -68,6 +68,7 @@ class RunnerSettings:
     max_num_seqs: int
     kv_dtype: str
     mesh: str  # a `MeshSpec` spelling (one replica)
+    batch_invariant: bool = False
 
 
 def helper_count(num_shapes: int, devices: Sequence[jax.Device]) -> int:
@@ -184,7 +185,8 @@ def runner_from(weights: dict, settings: RunnerSettings) -> ModelRunner:
     model = weights_from(weights, mesh).abstract_model()
     return ModelRunner(model, settings.num_pages, settings.page_size, settings.max_model_len,
                        mesh, settings.max_num_seqs, jnp.dtype(settings.kv_dtype),
-                       weights=concurrent.futures.Future())
+                       weights=concurrent.futures.Future(),
+                       batch_invariant=settings.batch_invariant)
 
 
 def main(argv: list[str]) -> int:

@@ -115,7 +115,8 @@ class LLM:
                  max_num_batched_tokens: int = 512, decode_steps: int = 1,
                  mesh: str | MeshSpec | None = None, scan_layers: bool | None = None,
                  gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
-                 kv_cache_dtype: str = "auto", start_warmup: bool = False):
+                 kv_cache_dtype: str = "auto", start_warmup: bool = False,
+                 batch_invariant: bool = False):
         """`mesh` (e.g. "tp=2" or "tp=2,dp=2", see `jaxinfer.sharding`) splits the model over
         that many devices (all processes' devices, multi-host); kv_cache_bytes is per replica
         and counts every device's share. `scan_layers` runs the layers as a scan over
@@ -124,7 +125,10 @@ class LLM:
         `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (float8_e4m3fn pages, vLLM's
         fp8 KV cache with scale 1: half the bytes of bf16 a token). `start_warmup`: a
         `warmup()` follows, so its compiles start now, in helper processes where they pay
-        (`jaxinfer.compile_helpers`: one process on GPUs), while the weights load."""
+        (`jaxinfer.compile_helpers`: one process on GPUs), while the weights load.
+        `batch_invariant`: each request's tokens and logprobs are bitwise the same whatever
+        shares its batch (`jaxinfer.ops.registry.batch_invariant_mode`; slower: every
+        product runs in blocks of fixed rows); dense models on the CPU so far."""
         if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
             raise JaxinferError(f"page_size {page_size}: a power of two up to {MAX_PAGE_SIZE} "
                                 "required (the attention kernels' KV blocks hold whole pages)")
@@ -186,6 +190,13 @@ class LLM:
             self.tokenizer = tokenizer.result()
         model = self._abstract_model or self.model  # its shapes decide what follows
         self.config = c = model.config
+        if batch_invariant:
+            if meshes[0].devices.flat[0].platform != "cpu":
+                raise JaxinferError("batch_invariant: supported on the CPU so far (the GPU "
+                                    "and TPU kernels are not batch-invariant yet)")
+            if c.is_moe:
+                raise JaxinferError("batch_invariant: dense models only so far (an MoE "
+                                    "layer's grouped products depend on the batch)")
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype, model.embed.embedding.dtype)
         self.kv_plan = None  # the plan, where the cache was planned
         if kv_cache_bytes is None:
@@ -208,14 +219,15 @@ class LLM:
         engines = []
         for model_i, replica_mesh in zip(models, meshes, strict=True):
             runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,
-                                 replica_mesh, max_num_seqs, kv_dtype, self._weights)
+                                 replica_mesh, max_num_seqs, kv_dtype, self._weights,
+                                 batch_invariant)
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
                                   max_num_batched_tokens, self.tokenizer, decode_steps))
         self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
         if deferred is not None:
             self._start_helpers(deferred, RunnerSettings(
                 num_pages, page_size, self.max_model_len, max_num_seqs, kv_dtype.name,
-                str(spec)))
+                str(spec), batch_invariant))
             try:
                 self._weights.set_result(deferred.load())
             except BaseException as e:

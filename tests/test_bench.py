@@ -197,11 +197,12 @@ def test_every_bench_option_has_help():
 
 
 def test_bench_serve_soak(tmp_path):
-    """A CI-sized soak against a real server process: clients that leave mid-stream (the
-    server aborts their requests) and malformed requests (each must get a 4xx), then nothing
-    left on the server (requests, KV pages), and completed greedy requests sent again alone
-    give the same tokens."""
-    data = _run(["serve", "--preset", "tiny", "--dtype", "float32", "--num-requests", "60",
+    """A CI-sized soak against a real server process in bf16 and batch-invariant mode:
+    clients that leave mid-stream (the server aborts their requests) and malformed requests
+    (each must get a 4xx), then nothing left on the server (requests, KV pages), and
+    completed greedy requests sent again alone give the same tokens."""
+    data = _run(["serve", "--preset", "tiny", "--dtype", "bfloat16", "--batch-invariant",
+                 "--num-requests", "60",
                  "--concurrency", "16", "--input-len", "24", "--range-ratio", "0.5",
                  "--output-len", "48", "--kv-cache-gb", "0.01", "--max-num-seqs", "8",
                  "--max-num-batched-tokens", "64", "--page-size", "8", "--no-server-warmup",

@@ -280,13 +280,13 @@ def test_memory_flags_reach_the_llm(monkeypatch):
                                       "--page-size", "32", "--decode-steps", "4",
                                       "--max-model-len", "512", "--dtype", "float32",
                                       "--scan-layers", "--gpu-memory-utilization", "0.5",
-                                      "--kv-cache-dtype", "fp8"])
+                                      "--kv-cache-dtype", "fp8", "--batch-invariant"])
     assert error_line(result) == "Error: not loaded"
     assert built == dict(path="somewhere", dtype="float32", kv_cache_bytes=2**29,
                          max_model_len=512, page_size=32, max_num_seqs=1, decode_steps=4,
                          mesh=None, scan_layers=True, gpu_memory_utilization=0.5,
-                         kv_cache_dtype="fp8")
+                         kv_cache_dtype="fp8", batch_invariant=True)
     # Without --kv-cache-gb the LLM sizes the cache for its one sequence.
     CliRunner().invoke(cli, ["generate", "--model", "somewhere", "--prompt", "hi"])
     assert built["kv_cache_bytes"] is None and built["max_num_seqs"] == 1
-    assert built["kv_cache_dtype"] == "auto"
+    assert built["kv_cache_dtype"] == "auto" and built["batch_invariant"] is False

@@ -27,7 +27,7 @@ from jaxinfer.engine.sampling import SamplingTensors, logprobs_of, sample, token
 from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
-from jaxinfer.ops.registry import import_platform_kernels
+from jaxinfer.ops.registry import batch_invariant_mode, import_platform_kernels
 from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 
 # The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page
@@ -35,6 +35,8 @@ from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 # compile, for no speed (bench/NOTES.md, Start-up: compiling the step programs: One program
 # per token bucket).
 WARMUP_CONTEXT = 2048
+# The fewest token rows of a program in batch-invariant mode (`ModelRunner.step_shape`).
+INVARIANT_MIN_TOKENS = 8
 
 
 def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
@@ -97,7 +99,8 @@ class ModelRunner:
 
     def __init__(self, model: Decoder, num_pages: int, page_size: int, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None, max_num_seqs: int | None = None,
-                 kv_dtype=None, weights: concurrent.futures.Future | None = None):
+                 kv_dtype=None, weights: concurrent.futures.Future | None = None,
+                 batch_invariant: bool = False):
         """`mesh`: the one the model's parameters were placed on (`jaxinfer.sharding`);
         the KV cache is split over its KV heads like the k/v projections. The model runs as
         it comes, built by the loader (`jaxinfer.models.inference_form`). `weights`: a
@@ -107,7 +110,8 @@ class ModelRunner:
         the engine's, whose bucket bounds a batch's sequence slots (`step_shape`); None: a
         batch has the bucket of its own sequences. `kv_dtype`: the pages' dtype (default the
         model's; float8_e4m3fn: fp8 pages, written as k and v clipped to e4m3 with scale 1,
-        `jaxinfer.ops.attention`)."""
+        `jaxinfer.ops.attention`). `batch_invariant`: the steps trace in batch-invariant mode
+        (`jaxinfer.ops.registry.batch_invariant_mode`)."""
         import_platform_kernels()  # before a program is loaded from disk
         c = model.config
         self.config, self.page_size, self.num_pages = c, page_size, num_pages
@@ -117,6 +121,7 @@ class ModelRunner:
         self.min_page_bucket = bucket(-(-min(WARMUP_CONTEXT, max_model_len) // page_size), 1,
                                       self.max_pages_per_seq)
         self.max_seq_slots = None if max_num_seqs is None else bucket(max_num_seqs, 1)
+        self.batch_invariant = batch_invariant
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         leaves, self.state_treedef = jax.tree.flatten(state)
@@ -147,6 +152,7 @@ class ModelRunner:
                                     **jit)
         self._logits_step = jax.jit(self._logits, **jit)
         identity = repr((c, self.eos_token_ids, page_size, num_pages, jit["compiler_options"],
+                         batch_invariant,
                          self.mesh.axis_names, self.mesh.devices.shape,
                          [d.id for d in self.mesh.devices.flat],
                          [(x.shape, x.dtype, x.sharding) for x in self.state_avals],
@@ -184,7 +190,7 @@ class ModelRunner:
             self._kv_cache = [(self._kv_zeros(), self._kv_zeros()) for _ in self.kv_avals]
 
     def lower(self, shape: StepShape, kv_cache, state_leaves, inputs) -> jax.stages.Lowered:
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh), batch_invariant_mode(self.batch_invariant):
             if shape.kind == "logits":
                 return self._logits_step.trace(kv_cache, state_leaves, inputs).lower()
             return self._sample_step.trace(kv_cache, state_leaves, inputs,
@@ -311,8 +317,16 @@ class ModelRunner:
         # sequence), its page table to at least WARMUP_CONTEXT tokens. The implementations'
         # work follows the live tokens and their context, not the padding, so prompts,
         # decodes and their mixes of one token count share a program, all in the warm-up.
-        T = bucket(num_tokens, 1)
-        S = min(T, self.max_seq_slots or bucket(len(chunks), 1))
+        if self.batch_invariant:
+            # Every program at least INVARIANT_MIN_TOKENS token rows and all the sequence
+            # slots: XLA:CPU reduces a row (a norm's mean, a softmax's sum) in one order
+            # below 8 rows and in another from 8 on, so a token's numbers would change
+            # with the number of rows beside it.
+            T = bucket(num_tokens, INVARIANT_MIN_TOKENS)
+            S = self.max_seq_slots or bucket(len(chunks), 1)
+        else:
+            T = bucket(num_tokens, 1)
+            S = min(T, self.max_seq_slots or bucket(len(chunks), 1))
         if num_steps > 1:
             assert num_tokens == len(chunks), "a multi-step decode has one token a sequence"
         max_pages = max(-(-(c.num_cached + max(len(c.new_tokens), min(num_steps, c.remaining)))

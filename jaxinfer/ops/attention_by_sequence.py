@@ -44,11 +44,17 @@ def ragged_paged_attention_by_sequence(
     q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
+    fixed_rows: bool = False,
 ):
     """The contract's call (`jaxinfer.ops.attention`) -> (out [T, Hq, D] in q.dtype, k_pages,
-    v_pages), attending sequence by sequence (see the module docstring)."""
+    v_pages), attending sequence by sequence (see the module docstring). fixed_rows: every
+    row block has ROW_BLOCK rows whatever the program (q padded to at least that many), so
+    a token's products have one shape in every batch (batch-invariant mode)."""
     k_pages, v_pages = write_kv_pages(k, v, k_pages, v_pages, md, k_scale=k_scale,
                                       v_scale=v_scale)
+    num_tokens = q.shape[0]
+    if fixed_rows and num_tokens < ROW_BLOCK:  # padding rows: computed and dropped
+        q = jnp.pad(q, ((0, ROW_BLOCK - num_tokens), (0, 0), (0, 0)))
     T, Hq, D = q.shape
     S, P = md.page_indices.shape
     page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
@@ -59,7 +65,7 @@ def ragged_paged_attention_by_sequence(
     compute_dtype = q.dtype if fp8 else k_pages.dtype
     score_scale = sm_scale * (k_scale if fp8 and k_scale is not None else 1.0)
     out_scale = v_scale if fp8 and v_scale is not None else 1.0
-    rows = 1 if T <= S else min(ROW_BLOCK, T)
+    rows = ROW_BLOCK if fixed_rows else 1 if T <= S else min(ROW_BLOCK, T)
 
     def attend_rows(seq, row0, first_pos):
         """The rows row0 .. row0 + rows - 1 against sequence seq's cache (its row row0 at
@@ -120,4 +126,4 @@ def ragged_paged_attention_by_sequence(
         return jax.lax.fori_loop(0, -(-(end - start) // rows), block, out)
 
     out = jax.lax.fori_loop(0, md.num_seqs[0], sequence, jnp.zeros((T, Hq, D), q.dtype))
-    return out, k_pages, v_pages
+    return out[:num_tokens], k_pages, v_pages

@@ -14,6 +14,8 @@ implementation that supports it, runs the neighbouring work the implementation d
                context): everything else (the CPU, other GPUs, float32 models)
   reference    the pure-JAX spec, dense over every sequence slot (T x S x context scores:
                tests and `implementation="reference"` only)
+  by_sequence_fixed_rows  batch-invariant mode: `by_sequence` with row blocks of one size in
+               every program, so a token's products have one shape whatever its batch
 
 The kernels' own `unsupported_reason` says what inputs a kernel can take (dtypes, head_dim,
 page_size); the predicates here add the platform and the size rules. `implementation="name"`
@@ -21,6 +23,8 @@ forces one (tests, benchmarks); kernels then run in interpret mode off their har
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
@@ -100,6 +104,9 @@ REGISTRY = Registry("ragged_paged_attention", [
     Implementation("pallas_tpu", _pallas_tpu, lambda call: needs("tpu")),
     Implementation("by_sequence", ragged_paged_attention_by_sequence, lambda call: None),
     Implementation("reference", ragged_paged_attention_reference, lambda call: None),
+    Implementation("by_sequence_fixed_rows",
+                   functools.partial(ragged_paged_attention_by_sequence, fixed_rows=True),
+                   lambda call: None, batch_invariant=True),
 ])
 
 

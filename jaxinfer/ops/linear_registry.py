@@ -11,6 +11,10 @@ epilogue (`linear_epilogue`).
   one_row_reduce  XLA, float weights: one row (batch-1 decode) with K >= ONE_ROW_REDUCE_MIN_K
                   as a multiply and a row reduction, on every platform
   reference       XLA: one dot for float weights, dequantise + dot for quantized ones
+  fixed_rows      batch-invariant mode: the reference over blocks of INVARIANT_ROWS rows
+                  (`by_row_blocks`), so each dot has the same shape whatever the number of
+                  rows (XLA:CPU's dot reduces a row in another order for one row,
+                  2-32 and 64 rows: bench/history/issue-33-serving.md)
 
 The kernels' own `unsupported_reason` says what inputs a kernel can take (formats, dtypes,
 tiling); the predicates here add the platform and the size rules. `implementation="name"`
@@ -33,7 +37,7 @@ from jaxinfer.ops.linear import (
 )
 from jaxinfer.ops.platform import needs
 from jaxinfer.ops.quant import QuantizedWeight
-from jaxinfer.ops.registry import Implementation, KernelModule, Registry
+from jaxinfer.ops.registry import Implementation, KernelModule, Registry, by_row_blocks
 
 mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.quantized_matmul", "hopper")
 pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.quantized_matmul", "tpu")
@@ -96,6 +100,13 @@ def _kernel(name: str, kernel: KernelModule, matmul: str):
     return run
 
 
+def fixed_rows(x, weight: Weight, bias=None, row_scale=None):
+    """`linear_reference` on INVARIANT_ROWS rows at a time (`by_row_blocks`)."""
+    if row_scale is None:
+        return by_row_blocks(lambda b: linear_reference(b, weight, bias), x)
+    return by_row_blocks(lambda b, s: linear_reference(b, weight, bias, s), x, row_scale)
+
+
 def _one_row_reduce(x, weight: Weight, bias=None, row_scale=None):
     if isinstance(weight, QuantizedWeight):
         raise ValueError("linear one_row_reduce: takes float weights, got a QuantizedWeight")
@@ -111,6 +122,7 @@ REGISTRY = Registry("linear", [
                    _pallas_tpu_supports),
     Implementation("one_row_reduce", _one_row_reduce, _one_row_reduce_supports),
     Implementation("reference", linear_reference, lambda call: None),
+    Implementation("fixed_rows", fixed_rows, lambda call: None, batch_invariant=True),
 ])
 
 

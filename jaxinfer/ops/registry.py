@@ -11,10 +11,17 @@ A kernel's own tile or configuration choice stays in the kernel.
 
 `implementation="name"` forces one (tests and benchmarks): it runs whatever `supports`
 says (kernels run in interpret mode off their hardware).
+
+Batch-invariant mode (`batch_invariant_mode()`, set while a step traces): `pick` takes only
+implementations marked `batch_invariant`, whose result for a row (a token) does not depend
+on the other rows of the call, nor on how many there are: a request's numbers are then the
+same whatever shares its batch (vLLM's and SGLang's batch-invariant inference).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib
 from collections.abc import Callable, Sequence
@@ -73,12 +80,15 @@ class Implementation:
     fuses     neighbouring work it does itself (e.g. ("qk_norm", "rope") for the attention
               kernel that applies the q/k prologue), which callers then need not run: a
               tuple, or call -> tuple where that depends on the call
+    batch_invariant  each row's result is independent of the call's other rows and of
+              their number (the only ones `pick` takes in batch-invariant mode)
     """
 
     name: str
     fn: Callable
     supports: Callable[[Any], str | None]
     fuses: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
+    batch_invariant: bool = False
 
     def fused(self, call) -> tuple[str, ...]:
         """The neighbouring work this implementation does itself for `call`."""
@@ -111,10 +121,56 @@ class Registry:
         return {impl.name: impl.supports(call) for impl in self.implementations}
 
     def pick(self, call, implementation: str | None = None) -> Implementation:
-        """The forced `implementation`, else the first implementation that supports `call`."""
+        """The forced `implementation`, else the first implementation that supports `call`
+        (in batch-invariant mode, the first batch-invariant one)."""
         if implementation is not None:
             return self[implementation]
+        invariant = batch_invariant()
         for impl in self.implementations:
-            if impl.supports(call) is None:
+            if (impl.batch_invariant or not invariant) and impl.supports(call) is None:
                 return impl
-        raise ValueError(f"{self.op}: no implementation takes this call: {self.reasons(call)}")
+        mode = " in batch-invariant mode" if invariant else ""
+        raise ValueError(f"{self.op}: no implementation takes this call{mode}: "
+                         f"{self.reasons(call)}")
+
+
+_BATCH_INVARIANT = contextvars.ContextVar("jaxinfer_batch_invariant", default=False)
+
+
+def batch_invariant() -> bool:
+    """Whether ops trace in batch-invariant mode (`batch_invariant_mode`)."""
+    return _BATCH_INVARIANT.get()
+
+
+# Rows per block of a batch-invariant computation (`by_row_blocks`).
+INVARIANT_ROWS = 16
+
+
+def by_row_blocks(fn, *arrays):
+    """fn over blocks of INVARIANT_ROWS rows, one block after another (a loop: XLA cannot
+    merge the blocks back into one computation), the last one padded with zeros: each
+    row's result then comes from the same code, of the same shapes, whatever the number of
+    rows. arrays: [..., F_i] with the same leading dimensions (the rows); fn takes blocks
+    [INVARIANT_ROWS, F_i] and returns [INVARIANT_ROWS, N] -> [..., N]."""
+    import jax
+    import jax.numpy as jnp
+
+    lead = arrays[0].shape[:-1]
+    flat = [a.reshape(-1, a.shape[-1]) for a in arrays]
+    m = flat[0].shape[0]
+    pad = -m % INVARIANT_ROWS
+    blocks = [jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, INVARIANT_ROWS, a.shape[-1])
+              for a in flat]
+    out = jax.lax.map(lambda b: fn(*b), blocks)
+    return out.reshape(-1, out.shape[-1])[:m].reshape(*lead, out.shape[-1])
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(on: bool = True):
+    """Ops traced inside pick batch-invariant implementations only (if on). A context
+    variable: set it on the thread that traces."""
+    token = _BATCH_INVARIANT.set(on)
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.reset(token)
