@@ -197,6 +197,10 @@ class LLM:
             if c.is_moe:
                 raise JaxinferError("batch_invariant: dense models only so far (an MoE "
                                     "layer's grouped products depend on the batch)")
+            if decode_steps > 1:
+                raise JaxinferError(f"batch_invariant: decode_steps {decode_steps}: 1 only "
+                                    "so far (a multi-step decode has a row per sequence slot, "
+                                    "not the mode's fixed row counts)")
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype, model.embed.embedding.dtype)
         self.kv_plan = None  # the plan, where the cache was planned
         if kv_cache_bytes is None:

@@ -66,7 +66,10 @@ def test_the_mode_picks_batch_invariant_implementations_only():
     assert LINEAR.pick(call).name == "reference"
 
 
-def test_moe_models_are_refused():
+def test_what_the_mode_does_not_take_is_a_one_line_error():
     model = random_model(preset_config("tiny-moe"), jnp.float32)
     with pytest.raises(JaxinferError, match="batch_invariant: dense models only"):
         LLM(model, batch_invariant=True)
+    model = random_model(preset_config("tiny"), jnp.float32)
+    with pytest.raises(JaxinferError, match="batch_invariant: decode_steps 4: 1 only"):
+        LLM(model, batch_invariant=True, decode_steps=4)
