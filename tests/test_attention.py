@@ -71,7 +71,7 @@ BACKENDS = [backend for name in REGISTRY.names for backend in (
 
 
 # The implementations in XLA (every dtype); the kernels run on tensor cores (bf16 / fp16 q).
-XLA_IMPLEMENTATIONS = ("by_sequence", "reference")
+XLA_IMPLEMENTATIONS = ("by_sequence", "by_sequence_fixed_rows", "reference")
 
 
 def check_against_oracle(case: Case, implementation: str, platform: str):

@@ -22,7 +22,7 @@ from jaxinfer.ops.linear_registry import (
 from jaxinfer.ops.quant import VALUE_DTYPES, QuantizedWeight, parse_format
 
 # The implementations that take float weights; the others take only QuantizedWeights.
-FLOAT_IMPLEMENTATIONS = ("one_row_reduce", "reference")
+FLOAT_IMPLEMENTATIONS = ("one_row_reduce", "reference", "fixed_rows")
 QUANTIZED_IMPLEMENTATIONS = ("mosaic_gpu", "pallas_tpu")
 
 
