@@ -46,17 +46,15 @@ def timed(fn, *args):
 
 
 def abstract_runner(preset):
-    """A runner of the serve defaults' shapes made from the weights' descriptions alone."""
-    import concurrent.futures
+    """A runner of the serve defaults' shapes made from the weights' descriptions alone (as
+    a compile helper makes its own: `jaxinfer.compile_helpers.runner_from`)."""
+    from jaxinfer.compile_helpers import RunnerSettings, runner_from
 
-    import jax.numpy as jnp
-
-    from jaxinfer.engine.runner import ModelRunner
-
-    model = presets.RandomWeights(presets.preset_config(preset)).abstract_model()
-    page_bytes = 16 * model.config.kv_bytes_per_token(jnp.dtype(jnp.bfloat16).itemsize)
-    return ModelRunner(model, (4 << 30) // page_bytes, 16, model.config.max_position_embeddings,
-                       max_num_seqs=64, weights=concurrent.futures.Future())
+    config = presets.preset_config(preset)
+    page_bytes = 16 * config.kv_bytes_per_token(2)  # bf16 pages of 16 tokens
+    return runner_from(presets.RandomWeights(config).describe(),
+                       RunnerSettings((4 << 30) // page_bytes, 16,
+                                      config.max_position_embeddings, 64, "bfloat16", ""))
 
 
 def worker(index, count, preset):

@@ -343,11 +343,7 @@ def split_per_shard(array, sizes: tuple[int, ...], axis: int, shards: int, xp=jn
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def join_per_shard_on_device(arrays, axis: int, shards: int, sharding):
-    """`join_per_shard` on the devices, the result placed with `sharding`. Kept as it is
-    (called directly, its body this one line): variants of it and of `_scale_columns` in
-    models/layers.py made an 8B model's load on the H100 keep every replaced weight until
-    the load's end (8 GiB higher, holes the KV pages then did not fit); cause not found
-    (bench/NOTES.md, Start-up)."""
+    """`join_per_shard` on the devices, the result placed with `sharding`."""
     return jax.lax.with_sharding_constraint(join_per_shard(arrays, axis, shards, jnp), sharding)
 
 

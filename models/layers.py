@@ -348,27 +348,26 @@ class FoldedRMSNorm(RMSNorm):
         return x, self.inv_rms(x)
 
 
+def _scaled_columns(arrays):
+    """(w [N, K], scale [K]) -> w * scale in float32, back in w's dtype."""
+    w, scale = arrays
+    return (w.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(w.dtype)
+
+
 @functools.partial(jax.jit, static_argnums=2, donate_argnums=0)
 def _scale_columns(w, scale, sharding):
-    """w [N, K] * scale [K] in float32, back in w's dtype, placed like w (`sharding`).
-    Called as it is, as `join_per_shard_on_device` is (see there). w is donated: the
+    """`_scaled_columns` on the devices, placed like w (`sharding`). w is donated: the
     scaled weight takes its buffer, so the old weight's memory never outlives the call,
     whatever still refers to it (nnx's reference cycles kept the replaced weights of a
     whole load until its `gc.collect()` when that ran after other work: peak 23.71 GiB
     against 15.43 for the 8B model, and the holes it left failed the KV cache's
     allocation)."""
-    out = (w.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(w.dtype)
-    return jax.lax.with_sharding_constraint(out, sharding)
+    return jax.lax.with_sharding_constraint(_scaled_columns((w, scale)), sharding)
 
 
 def _scale_columns_recipe(w, scale, sharding) -> ArrayRecipe:
     """`_scale_columns` of an abstract weight (`ArrayRecipe`)."""
     return ArrayRecipe(w.shape, w.dtype, sharding, _scaled_columns, (), (w, scale))
-
-
-def _scaled_columns(arrays):
-    w, scale = arrays
-    return (w.astype(jnp.float32) * scale.astype(jnp.float32)[None, :]).astype(w.dtype)
 
 
 class Attention(nnx.Module):

@@ -27,6 +27,9 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 
 class KernelModule:
     """A kernel module imported on first use (`kernel.attr`): a registry names its kernels
@@ -152,9 +155,6 @@ def by_row_blocks(fn, *arrays):
     row's result then comes from the same code, of the same shapes, whatever the number of
     rows. arrays: [..., F_i] with the same leading dimensions (the rows); fn takes blocks
     [INVARIANT_ROWS, F_i] and returns [INVARIANT_ROWS, N] -> [..., N]."""
-    import jax
-    import jax.numpy as jnp
-
     lead = arrays[0].shape[:-1]
     flat = [a.reshape(-1, a.shape[-1]) for a in arrays]
     m = flat[0].shape[0]
