@@ -37,6 +37,7 @@ from jaxinfer.cli.parallel import (
     memory_utilization_option,
     random_or_path,
 )
+from jaxinfer.engine.defaults import describe
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.plan import set_memory_utilization
 from jaxinfer.loading.weights import StepReads
@@ -66,11 +67,16 @@ _kv_cache_option = click.option(
     help="Size of the paged KV cache in GiB (default: planned, as `jaxinfer serve` does: "
          "see --gpu-memory-utilization).")
 _max_num_seqs_option = click.option(
-    "--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
-    help="Most sequences the engine runs in one step.")
+    "--max-num-seqs", type=click.IntRange(min=1), default=None,
+    help=f"Most sequences the engine runs in one step ({describe('max_num_seqs')}).")
 _max_num_batched_tokens_option = click.option(
-    "--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-    help="Most tokens (prompt chunks and decodes) in one engine step.")
+    "--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+    help="Most tokens (prompt chunks and decodes) in one engine step "
+         f"({describe('max_num_batched_tokens')}).")
+_decode_steps_option = click.option(
+    "--decode-steps", type=click.IntRange(min=1), default=None,
+    help=f"Decode steps per host round trip, when every request decodes "
+         f"({describe('decode_steps')}).")
 _page_size_option = click.option(
     "--page-size", type=click.IntRange(min=1), default=16, show_default=True,
     help="Tokens per KV-cache page.")
@@ -93,8 +99,7 @@ def _model_options(fn):
         batch_invariant_option,
         _max_num_seqs_option,
         _max_num_batched_tokens_option,
-        click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Decode steps per host round trip (when every request decodes)."),
+        _decode_steps_option,
         _page_size_option,
         _json_option,
         _record_option,
@@ -299,8 +304,7 @@ def _plot(plt, rows, ceilings, path):
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None,
               help="The started server's longest prompt + output (default: the model's "
                    "context, capped by the cache).")
-@click.option("--decode-steps", type=click.IntRange(min=1), default=1, show_default=True,
-              help="The started server's decode steps per engine step.")
+@_decode_steps_option
 @_page_size_option
 @click.option("--api-key", default=None,
               help="Sent as 'Authorization: Bearer KEY' (and required by the started server).")
@@ -357,9 +361,11 @@ def serve(url, model_path, preset, dtype, kv_cache_gb, kv_cache_dtype, batch_inv
             raise JaxinferError("give --url, or one of --model / --preset to start a server")
         ceilings = ceilings_in_child_process()  # before the server takes the device's memory
         args = ["--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
-                "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
-                str(max_num_batched_tokens), "--decode-steps", str(decode_steps),
                 "--page-size", str(page_size), "--kv-cache-dtype", kv_cache_dtype]
+        for option, value in (("--max-num-seqs", max_num_seqs), ("--decode-steps", decode_steps),
+                              ("--max-num-batched-tokens", max_num_batched_tokens)):
+            if value is not None:  # else the server's default
+                args += [option, str(value)]
         if kv_cache_gb is not None:
             args += ["--kv-cache-gb", str(kv_cache_gb)]
         if batch_invariant:

@@ -29,6 +29,7 @@ from jaxinfer.cli.parallel import (
 )
 from jaxinfer.cli.plan import plan as _plan_command
 from jaxinfer.cli.serve import serve as _serve_command
+from jaxinfer.engine.defaults import describe
 from jaxinfer.engine.request import MAX_LOGPROBS, Request, SamplingParams, TokenLogprob
 from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM
@@ -98,7 +99,7 @@ class ModelChoice:
     batch_invariant: bool
     gpu_memory_utilization: float
     page_size: int
-    decode_steps: int
+    decode_steps: int | None
     scan_layers: bool | None
     mesh: str | None
     coordinator: str | None
@@ -140,8 +141,9 @@ model_options = _packed([
     memory_utilization_option,
     click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
                  help="Tokens per KV-cache page (prefix caching shares whole pages)."),
-    click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
-                 help="Decode steps per engine step (more: fewer host round trips)."),
+    click.option("--decode-steps", default=None, type=click.IntRange(min=1),
+                 help="Decode steps per engine step (more: fewer host round trips; "
+                      f"{describe('decode_steps')})."),
     scan_layers_option,
     parallel_options,
 ], "model", ModelChoice)

@@ -8,6 +8,7 @@ import json
 
 import click
 
+from jaxinfer.engine.defaults import ACCELERATOR_DEFAULTS
 from jaxinfer.loading.plan import DEFAULT_MEMORY_UTILIZATION, GiB, model_tensors, plan_memory
 from jaxinfer.sharding import MeshSpec
 
@@ -37,9 +38,11 @@ from jaxinfer.sharding import MeshSpec
 @click.option("--reserve-gb", default=None, type=click.FloatRange(min=0),
               help="Per-device room for a step's temporaries (default: an estimate from "
                    "--max-num-seqs and --max-num-batched-tokens, see jaxinfer.loading.plan).")
-@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-num-batched-tokens", default=2048, show_default=True,
-              type=click.IntRange(min=1))
+@click.option("--max-num-seqs", default=ACCELERATOR_DEFAULTS.max_num_seqs, show_default=True,
+              type=click.IntRange(min=1), help="As `jaxinfer serve` on a GPU or TPU.")
+@click.option("--max-num-batched-tokens", default=ACCELERATOR_DEFAULTS.max_num_batched_tokens,
+              show_default=True, type=click.IntRange(min=1),
+              help="As `jaxinfer serve` on a GPU or TPU.")
 @click.option("--json", "json_path", default=None, help="Write the plan as JSON.")
 def plan(model, mesh, hbm_gb, context, page_size, dtype, quantize, memory_fraction, reserve_gb,
          max_num_seqs, max_num_batched_tokens, json_path):

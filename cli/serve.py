@@ -18,6 +18,7 @@ from jaxinfer.cli.parallel import (
     random_or_path,
     scan_layers_option,
 )
+from jaxinfer.engine.defaults import describe
 from jaxinfer.errors import JaxinferError
 from jaxinfer.llm import LLM
 from jaxinfer.loading.plan import set_memory_utilization
@@ -61,9 +62,11 @@ def _bind(host: str, port: int) -> socket.socket:
               help="Require 'Authorization: Bearer KEY' on /v1/* (env JAXINFER_API_KEY).")
 @click.option("--served-model-name", default=None,
               help="The model name clients send (default: the --model or --preset value).")
-@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-num-batched-tokens", default=2048, show_default=True,
-              type=click.IntRange(min=1))
+@click.option("--max-num-seqs", default=None, type=click.IntRange(min=1),
+              help=f"Most sequences in one step ({describe('max_num_seqs')}).")
+@click.option("--max-num-batched-tokens", default=None, type=click.IntRange(min=1),
+              help="Most tokens (prompt chunks and decodes) in one step "
+                   f"({describe('max_num_batched_tokens')}).")
 @click.option("--kv-cache-gb", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Size of the paged KV cache in GiB (default: on a GPU or TPU what "
                    "--gpu-memory-utilization leaves after the weights and a step's reserve; "
@@ -74,8 +77,9 @@ def _bind(host: str, port: int) -> socket.socket:
 @batch_invariant_option
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2),
               help="Longest prompt + output (default: the model's context, capped by the cache).")
-@click.option("--decode-steps", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Decode steps per engine step (more: fewer host round trips).")
+@click.option("--decode-steps", default=None, type=click.IntRange(min=1),
+              help="Decode steps per engine step (more: fewer host round trips; "
+                   f"{describe('decode_steps')}).")
 @click.option("--page-size", default=16, show_default=True, type=click.IntRange(min=1),
               help="Tokens per KV-cache page (prefix caching shares whole pages).")
 @click.option("--no-warmup", is_flag=True, help="Skip compiling the step buckets at start.")

@@ -1,5 +1,5 @@
-"""Compile helpers: the warm-up's step programs compiled by other processes while this one
-loads the weights, then loaded from the executable cache.
+"""Compile helpers: the warm-up's step programs compiled by other processes, then loaded
+from the executable cache.
 
 Why processes: within one process the warm-up's compiles overlap badly on a GPU. Mosaic GPU
 compiles its kernels under one process-wide lock, and XLA holds a process-wide lock over
@@ -7,12 +7,15 @@ LLVM's options while it emits code. The serve defaults' 12 programs took 52.4 s 
 threads of one process, and 34.1 s split over 4 processes, their start-up included (H200,
 16 cores; bench/NOTES.md, Start-up: compiling the step programs).
 
-A helper (`python -m jaxinfer.compile_helpers SPEC`) makes the runner from the weights'
-descriptions (`PlacedWeights.describe`, then `abstract_model`: no weights are read or
-made), compiles programs and writes them to the executable cache
-(`jaxinfer.engine.compiled_steps`). The programs are the ones this process would compile:
-the same runner settings give the same cache keys. The helpers and, once its weights are
-loaded, the server take the programs from one queue, the most costly first
+A helper (`python -m jaxinfer.compile_helpers FOLDER`) starts with the server: while the
+server loads the weights, it makes their abstract model from their descriptions
+(`PlacedWeights.describe`, then `abstract_model`: no weights are read or made). Once the
+server has planned its KV cache (which needs the loaded weights: `plan_kv_cache`) and
+assigned the programs (`CompileHelpers.assign`), the helper makes the runner, compiles
+programs and writes them to the executable cache (`jaxinfer.engine.compiled_steps`). The
+programs are the ones this process would compile: the same runner settings give the same
+cache keys. The helpers and the server take the programs from one queue, the most costly
+first
 (`compile_claimed`: a program is claimed by creating a file, which one process wins), so a
 slow load or a slow helper shifts the work to the others. A helper that fails costs time
 only, since the warm-up compiles whatever the cache lacks.
@@ -56,6 +59,9 @@ CORES_PER_HELPER = 4
 # copies its GEMM autotuning times kernels on): on the H100 (8 GiB outside a 0.9 pool) two
 # helpers fitted, a third ran out while autotuning.
 HELPER_DEVICE_BYTES = 3 * 2**30
+MAX_HELPERS = 8  # started before the programs are known: at most this many
+# A helper's folder: the weights' description and mesh at its start, its work later.
+WEIGHTS_FILE, WORK_FILE = "weights.json", "work.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,31 +99,39 @@ def helper_count(num_shapes: int, devices: Sequence[jax.Device]) -> int:
 
 
 class CompileHelpers:
-    """Helper processes compiling `shapes` into the executable cache (started at once);
-    `wait()` for them, or `close()` to stop them."""
+    """Helper processes, started at once: each makes the abstract model of `weights` and
+    waits for `assign` (the runner's settings, known once the weights are loaded and the
+    KV cache planned) to compile the programs; `wait()` for them, or `close()` to stop
+    them."""
 
-    def __init__(self, weights: dict, settings: RunnerSettings, shapes: Sequence[StepShape],
-                 count: int):
-        """weights: `PlacedWeights.describe()`; count: processes (>= 1)."""
-        self.shapes = list(shapes)
+    def __init__(self, weights: dict, mesh: str, count: int):
+        """weights: `PlacedWeights.describe()`; mesh: a `MeshSpec` spelling (one replica);
+        count: processes (>= 1)."""
+        self.shapes: list[StepShape] = []
         self._dir = Path(tempfile.mkdtemp(prefix="jaxinfer-compile-helpers-"))
         self.claims = self._dir / "claims"
         self.claims.mkdir()
-        spec = self._dir / "spec.json"
-        spec.write_text(json.dumps({"weights": weights, "runner": dataclasses.asdict(settings),
-                                    "shapes": [dataclasses.astuple(s) for s in self.shapes],
-                                    "claims": str(self.claims)}))
+        (self._dir / WEIGHTS_FILE).write_text(json.dumps({"weights": weights, "mesh": mesh}))
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
         self._logs = [self._dir / f"helper-{i}.log" for i in range(count)]
         self._processes = []
         for log in self._logs:
             with open(log, "wb") as out:
                 self._processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "jaxinfer.compile_helpers", str(spec)], env=env,
+                    [sys.executable, "-m", "jaxinfer.compile_helpers", str(self._dir)], env=env,
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         # Stopped when this object goes, or the process exits, without a wait (an LLM made
         # with start_warmup that never warms up leaves no helper behind).
         self.close = weakref.finalize(self, _stop, self._processes, self._dir)
+
+    def assign(self, settings: RunnerSettings, shapes: Sequence[StepShape]):
+        """Gives the helpers their programs: `shapes` of the runner of `settings`."""
+        self.shapes = list(shapes)
+        work = json.dumps({"runner": dataclasses.asdict(settings),
+                           "shapes": [dataclasses.astuple(s) for s in self.shapes]})
+        tmp = self._dir / f".{WORK_FILE}.tmp"
+        tmp.write_text(work)
+        os.replace(tmp, self._dir / WORK_FILE)  # a helper reads all of it or nothing
 
     def compile_here(self, steps: CompiledSteps, on_done: Callable[[], None] | None = None):
         """This process's part: the programs left in the queue, compiled on its threads."""
@@ -175,14 +189,15 @@ def compile_claimed(steps: CompiledSteps, shapes: Sequence[StepShape], claims: P
     return claimed
 
 
-def runner_from(weights: dict, settings: RunnerSettings) -> ModelRunner:
+def runner_from(weights: dict, settings: RunnerSettings, model=None) -> ModelRunner:
     """The runner of `settings` for the weights `weights` describes, made from their
-    descriptions only (it can compile, not run)."""
+    descriptions only (it can compile, not run); model: their abstract model, if made."""
     from jaxinfer.loading.presets import weights_from
     from jaxinfer.sharding import MeshSpec
 
     mesh = MeshSpec.parse(settings.mesh).meshes()[0]
-    model = weights_from(weights, mesh).abstract_model()
+    if model is None:
+        model = weights_from(weights, mesh).abstract_model()
     return ModelRunner(model, settings.num_pages, settings.page_size, settings.max_model_len,
                        mesh, settings.max_num_seqs, jnp.dtype(settings.kv_dtype),
                        weights=concurrent.futures.Future(),
@@ -190,10 +205,22 @@ def runner_from(weights: dict, settings: RunnerSettings) -> ModelRunner:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
-    runner = runner_from(spec["weights"], RunnerSettings(**spec["runner"]))
-    shapes = compile_claimed(runner.steps, [StepShape(*s) for s in spec["shapes"]],
-                             Path(spec["claims"]), CORES_PER_HELPER)
+    from jaxinfer.loading.presets import weights_from
+    from jaxinfer.sharding import MeshSpec
+
+    folder, parent = Path(argv[0]), os.getppid()
+    spec = json.loads((folder / WEIGHTS_FILE).read_text())
+    # Made while the server loads the weights and plans the KV cache.
+    model = weights_from(spec["weights"], MeshSpec.parse(spec["mesh"]).meshes()[0]
+                         ).abstract_model()
+    while not (folder / WORK_FILE).exists():
+        if os.getppid() != parent:  # the server is gone
+            return 1
+        time.sleep(0.02)
+    work = json.loads((folder / WORK_FILE).read_text())
+    runner = runner_from(spec["weights"], RunnerSettings(**work["runner"]), model)
+    shapes = compile_claimed(runner.steps, [StepShape(*s) for s in work["shapes"]],
+                             folder / "claims", CORES_PER_HELPER)
     # A program compiled untuned (no memory left to autotune) is kept in memory only: then
     # the warm-up compiles it, and this helper says so.
     missing = [s for s in shapes if not runner.steps.on_disk(s)]

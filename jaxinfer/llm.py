@@ -13,10 +13,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.compile_helpers import CompileHelpers, RunnerSettings, helper_count
+from jaxinfer.compile_helpers import MAX_HELPERS, CompileHelpers, RunnerSettings, helper_count
 from jaxinfer.engine import multihost
 from jaxinfer.engine.compiled_steps import executable_cache_dir
+from jaxinfer.engine.defaults import engine_defaults
 from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine
+from jaxinfer.engine.memory_profile import StepMemory, profile_step_memory
 from jaxinfer.engine.request import Request, RequestDelta, SamplingParams, TokenLogprob
 from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner
 from jaxinfer.errors import JaxinferError
@@ -90,6 +92,15 @@ def default_scan_layers() -> bool:
     return os.environ.get("JAXINFER_SCAN_LAYERS", "0") not in ("", "0")
 
 
+def _in_thread(fn, *args) -> concurrent.futures.Future:
+    """fn(*args) on a thread of its own."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, fn.__name__)
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
+
+
 class LLM:
     """Loads a model (converted dir, HF dir or .gguf; None = the embedded SmolLM2) and generates.
 
@@ -104,15 +115,17 @@ class LLM:
     figures); on the CPU, what max_num_seqs sequences of max_model_len need, at most 1 GiB.
     max_model_len defaults to the model's context, capped by what a given kv_cache_bytes
     holds; decode_steps > 1 runs that many decode steps per host round trip when every
-    running request is decoding.
+    running request is decoding. max_num_seqs, max_num_batched_tokens and decode_steps
+    default to the platform's `jaxinfer.engine.defaults` (256 sequences and 8192 tokens a
+    step on GPUs and TPUs).
     """
 
     engine: EngineInterface  # an Engine, or a ReplicatedEngine for dp replicas
 
     def __init__(self, model: str | Path | Decoder | None = None, *, dtype: str | None = None,
                  page_size: int = 16, kv_cache_bytes: int | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 512, decode_steps: int = 1,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, decode_steps: int | None = None,
                  mesh: str | MeshSpec | None = None, scan_layers: bool | None = None,
                  gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
                  kv_cache_dtype: str = "auto", start_warmup: bool = False,
@@ -124,8 +137,9 @@ class LLM:
         one group of layers instead of all of them (None: `default_scan_layers()`).
         `kv_cache_dtype`: "auto" (the model's dtype) or "fp8" (float8_e4m3fn pages, vLLM's
         fp8 KV cache with scale 1: half the bytes of bf16 a token). `start_warmup`: a
-        `warmup()` follows, so its compiles start now, in helper processes where they pay
-        (`jaxinfer.compile_helpers`: one process on GPUs), while the weights load.
+        `warmup()` follows, so its helper processes start now where they pay
+        (`jaxinfer.compile_helpers`: one process on GPUs), and compile once the KV cache
+        is planned.
         `batch_invariant`: each request's tokens and logprobs are bitwise the same whatever
         shares its batch (`jaxinfer.ops.registry.batch_invariant_mode`; slower: every
         product runs in blocks of fixed rows); dense models on the CPU so far."""
@@ -136,11 +150,24 @@ class LLM:
         set_memory_utilization(gpu_memory_utilization)  # if JAX has not started yet
         spec = mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)
         meshes = spec.meshes()
+        defaults = engine_defaults(meshes[0].devices.flat[0].platform)
+        max_num_seqs = max_num_seqs or defaults.max_num_seqs
+        max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
+        decode_steps = decode_steps or defaults.decode_steps
         scan = default_scan_layers() if scan_layers is None else scan_layers
         self._model = self._weights = self._abstract_model = None
         # Weights described before they exist may load while the programs compile.
-        weights = tokenizer = deferred = None
+        weights = tokenizer = step_probe = None
         self._helpers: CompileHelpers | None = None
+
+        def probe_step(model) -> StepMemory:  # what a step needs on an accelerator
+            return profile_step_memory(
+                model, meshes[0], page_size=page_size,
+                max_model_len=max_model_len or model.config.max_position_embeddings,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                decode_steps=decode_steps, batch_invariant=batch_invariant,
+                kv_dtype=kv_cache_dtype_of(kv_cache_dtype, model.embed.embedding.dtype))
+
         if isinstance(model, Decoder):  # built by the caller
             self.path, self.tokenizer = None, None
             self.model = shard_model(model, meshes[0])
@@ -169,12 +196,9 @@ class LLM:
                 self.tokenizer = None  # token-id prompts only (or read below)
         if weights is not None:
             one_replica = len(meshes) == 1 and not scan and jax.process_count() == 1
-            if (start_warmup and one_replica
-                    and helper_count(1, meshes[0].devices.flat) > 0):
-                # Loaded below, once the compile helpers have started from the descriptions.
-                self._weights, deferred = concurrent.futures.Future(), weights
-                self._abstract_model = weights.abstract_model()
-            elif one_replica and meshes[0].devices.flat[0].platform == "cpu":
+            helpers = (helper_count(MAX_HELPERS, meshes[0].devices.flat)
+                       if start_warmup and one_replica else 0)
+            if one_replica and meshes[0].devices.flat[0].platform == "cpu" and not helpers:
                 # The weights load (or are made) in the background, the runner makes its
                 # programs from their descriptions meanwhile (`ModelRunner`'s `weights`).
                 # The load does not wait for the KV cache's plan (nor does vLLM's): a plan
@@ -185,7 +209,20 @@ class LLM:
                 self._weights = weights.load_in_background()
                 self._abstract_model = weights.abstract_model()
             else:
-                self.model = weights.load()
+                # An accelerator plans its KV cache from what the loaded weights leave
+                # (`plan_kv_cache`). Meanwhile the compile helpers start (they make the
+                # abstract model, then wait for their programs: `CompileHelpers.assign`),
+                # and a step's memory is measured from the weights' descriptions.
+                if helpers:
+                    self._helpers = CompileHelpers(weights.describe(), str(spec), helpers)
+                if kv_cache_bytes is None and not scan:
+                    step_probe = _in_thread(probe_step, weights.abstract_model())
+                try:
+                    self.model = weights.load()
+                except BaseException:
+                    if self._helpers is not None:
+                        self._helpers.close()
+                    raise
         if tokenizer is not None:
             self.tokenizer = tokenizer.result()
         model = self._abstract_model or self.model  # its shapes decide what follows
@@ -204,11 +241,17 @@ class LLM:
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype, model.embed.embedding.dtype)
         self.kv_plan = None  # the plan, where the cache was planned
         if kv_cache_bytes is None:
+            def measure_step() -> tuple[int, str]:
+                step = step_probe.result() if step_probe is not None else probe_step(model)
+                return step.bytes, f"{step.shape}"
+
             self.kv_plan = plan_kv_cache(
                 model, meshes[0], page_size=page_size, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 memory_utilization=gpu_memory_utilization, name=str(self.path or "the model"),
-                kv_dtype=kv_dtype)
+                kv_dtype=kv_dtype,
+                # A scanned model's programs are made after the plan, from another form.
+                measure_step=None if scan else measure_step)
             num_pages = self.kv_plan.num_pages
         else:  # bytes of a page: every device's share of it
             page_bytes = page_size * c.kv_bytes_per_token(kv_dtype.itemsize)
@@ -228,25 +271,12 @@ class LLM:
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
                                   max_num_batched_tokens, self.tokenizer, decode_steps))
         self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
-        if deferred is not None:
-            self._start_helpers(deferred, RunnerSettings(
-                num_pages, page_size, self.max_model_len, max_num_seqs, kv_dtype.name,
-                str(spec), batch_invariant))
-            try:
-                self._weights.set_result(deferred.load())
-            except BaseException as e:
-                self._weights.set_exception(e)
-                if self._helpers is not None:
-                    self._helpers.close()
-                raise
-
-    def _start_helpers(self, weights: PlacedWeights, settings: RunnerSettings):
-        """Starts compile helpers on the warm-up's programs that the executable cache lacks
-        (this process takes from their queue too once its weights are loaded: `warmup`)."""
-        runner = self.runner
-        shapes = [s for s in self._warmup_plans(None)[0][1] if not runner.steps.on_disk(s)]
-        if count := helper_count(len(shapes), runner.mesh.devices.flat):
-            self._helpers = CompileHelpers(weights.describe(), settings, shapes, count)
+        if self._helpers is not None:  # the warm-up's programs the executable cache lacks
+            runner = self.runner
+            self._helpers.assign(
+                RunnerSettings(num_pages, page_size, self.max_model_len, max_num_seqs,
+                               kv_dtype.name, str(spec), batch_invariant),
+                [s for s in self._warmup_plans(None)[0][1] if not runner.steps.on_disk(s)])
 
     def _warmup_plans(self, max_len: int | None) -> list[tuple[ModelRunner, list]]:
         """(runner, its warm-up shapes) per replica for contexts up to max_len (`warmup`)."""

@@ -137,7 +137,9 @@ def test_plan_arithmetic():
     config = preset_config("llama3-8b")
     plan = plan_memory(config, "tp=2", 141 * GiB, context=4096)
     assert plan.page_bytes == 2 * 32 * 16 * (8 // 2) * 128 * 2
-    free = plan.usable_bytes - plan.weight_bytes - plan.reserve_bytes
+    qkv = 32 * 4096 * (4096 + 2 * 1024) * 2 // 2  # every layer's q/k/v, half per device
+    assert plan.holes_bytes == qkv
+    free = plan.usable_bytes - plan.weight_bytes - qkv - plan.reserve_bytes
     assert plan.kv_bytes == free - free % KV_ROUNDING_BYTES
     assert plan.num_pages == plan.kv_bytes // plan.page_bytes - 1
     assert plan.max_seqs == plan.num_pages // 256 and plan.pages_per_seq == 256
@@ -206,29 +208,93 @@ def test_device_memory_is_the_utilization_within_jax_pool(monkeypatch):
 
 
 @pytest.mark.parametrize("hbm_gib", [1.25, 3.0])
-def test_llm_plans_the_kv_cache_as_plan_does(monkeypatch, hbm_gib):
-    """With a fake accelerator of hbm_gib, LLM's planned pool is `jaxinfer plan`'s (the same
-    arithmetic), and the weights, the reserve and the allocated KV pages stay within it."""
+def test_llm_plans_the_kv_cache_from_the_measured_step(monkeypatch, tmp_path, hbm_gib):
+    """With a fake accelerator of hbm_gib, LLM's pool is what is left of the usable memory
+    after the weights and the measured reserve (`kv_pages`' arithmetic, done here again),
+    the measurement is the largest program's, the allocated pages stay within the budget,
+    and a restart reads the measurement instead of compiling the probe again."""
+    monkeypatch.setenv("JAXINFER_EXECUTABLE_CACHE", str(tmp_path))
     hbm = int(hbm_gib * GiB)
     monkeypatch.setattr(plan_module, "device_memory_bytes",
                         lambda device, fraction: (int(hbm * fraction), "fake"))
     config = preset_config("tiny")
     seqs, tokens, fraction = 4, 256, 0.8
-    llm = LLM(random_model(config, jnp.float32), max_num_seqs=seqs,
-              max_num_batched_tokens=tokens, gpu_memory_utilization=fraction)
-    plan = plan_memory(config, "tp=1", hbm, dtype="float32", memory_fraction=fraction,
-                       max_num_seqs=seqs, max_num_batched_tokens=tokens)
-    assert llm.runner.num_pages == plan.num_pages > 0
-    kv = sum(x.nbytes for x in jax.tree.leaves(llm.runner.kv_cache))  # with the scratch page
-    assert plan.weight_bytes + plan.reserve_bytes + kv <= plan.usable_bytes
+    model = random_model(config, jnp.float32)
+    llm = LLM(model, max_num_seqs=seqs, max_num_batched_tokens=tokens,
+              gpu_memory_utilization=fraction)
+    kv_plan = llm.kv_plan
+    # The step measured is the largest program's: the probe's figure is the warm-up's
+    # largest program's own analysis (compiled with the real pool) or more.
+    shapes = llm.runner.warmup_shapes(seqs, tokens, 1, llm.max_model_len)
+    real = max(llm.runner.steps._lower(s, *llm.runner.example_args(s)).compile()
+               .memory_analysis().temp_size_in_bytes for s in shapes)
+    assert kv_plan.step_bytes >= real > 0
+    leaves = jax.tree.leaves(nnx.state(model))
+    weights = sum(x.nbytes for x in leaves)
+    reserve = plan_module.WORKSPACE_BYTES + kv_plan.step_bytes + \
+        max(x.nbytes for x in leaves) * 11 // 10
+    usable = int(hbm * fraction)
+    kv = usable - weights - reserve
+    kv -= kv % KV_ROUNDING_BYTES
+    page_bytes = 2 * config.num_layers * 16 * config.num_kv_heads * config.head_dim * 4
+    assert (kv_plan.weight_bytes, kv_plan.reserve_bytes) == (weights, reserve)
+    assert llm.runner.num_pages == kv // page_bytes - 1 > 0
+    allocated = sum(x.nbytes for x in jax.tree.leaves(llm.runner.kv_cache))  # + scratch page
+    assert weights + reserve + allocated <= usable
+    # A restart of the same configuration: the same pool, the probe not compiled again.
+    records = sorted(tmp_path.glob("*.memory.json"))
+    assert records
+    stamps = [r.stat().st_mtime_ns for r in records]
+    again = LLM(model, max_num_seqs=seqs, max_num_batched_tokens=tokens,
+                gpu_memory_utilization=fraction)
+    assert again.runner.num_pages == llm.runner.num_pages
+    assert [r.stat().st_mtime_ns for r in sorted(tmp_path.glob("*.memory.json"))] == stamps
+
+
+def test_the_kv_cache_fits_the_largest_free_block_beside_the_reserve(monkeypatch):
+    """The holes a load leaves between its arrays hold no KV array: in a fake pool whose
+    largest free block is smaller than its free bytes, the KV cache is that block less the
+    reserve, and the plan says so."""
+    usable = 3 * GiB
+    monkeypatch.setattr(plan_module, "device_memory_bytes",
+                        lambda device, fraction: (usable, "fake"))
+    model = random_model(preset_config("tiny"), jnp.float32)
+    whole = LLM(model).kv_plan  # the CPU reports no pool: usable less the weights
+    block = (usable - whole.weight_bytes) // 2 + 12345
+    monkeypatch.setattr(plan_module, "device_memory_held",
+                        lambda device: (whole.weight_bytes + 4096, block))
+    llm = LLM(model)
+    kv = block - llm.kv_plan.reserve_bytes
+    kv -= kv % KV_ROUNDING_BYTES
+    assert llm.kv_plan.reserve_bytes == whole.reserve_bytes
+    assert llm.runner.num_pages == kv // llm.kv_plan.page_bytes - 1 < whole.num_pages // 2
+    assert llm.kv_plan.in_use_bytes == whole.weight_bytes + 4096
+    assert "largest free block 1." in llm.kv_plan.format(16)
+
+
+def test_a_steps_memory_does_not_depend_on_the_pool_size():
+    """The probe compiles with a pool of one sequence: its temporaries and outputs are the
+    same for a pool of any size, so they are the real pool's program's."""
+    from jaxinfer.engine.memory_profile import probe_shapes
+
+    model = random_model(preset_config("tiny-moe"), jnp.bfloat16)
+    runners = [ModelRunner(model, pages, 16, 512, max_num_seqs=8) for pages in (32, 3000)]
+    shapes = probe_shapes(runners[0], 8, 64, 4)
+    assert [s.num_steps for s in shapes] == [1, 4] and shapes[0].num_tokens == 64
+    for shape in shapes:
+        small, large = (r.steps.memory(shape) for r in runners)
+        assert small == large and small.temp_bytes > 0, (shape, small, large)
 
 
 def test_a_model_that_does_not_fit_is_one_line_before_any_compile(monkeypatch):
     """Room for half of one max_model_len sequence: a one-line error with the figures."""
     config = preset_config("tiny")
-    sizes = plan_memory(config, "tp=1", 64 * GiB, dtype="float32", max_num_seqs=8,
-                        max_num_batched_tokens=512)
-    usable = sizes.weight_bytes + sizes.reserve_bytes + 32 * sizes.page_bytes
+    monkeypatch.setattr(plan_module, "device_memory_bytes",
+                        lambda device, fraction: (64 * GiB, "a large fake device"))
+    sizes = [LLM(random_model(config, jnp.float32), max_model_len=n).kv_plan
+             for n in (1024, 256)]  # the reserves measured for each
+    usable = sizes[0].weight_bytes + max(p.reserve_bytes for p in sizes) + \
+        32 * sizes[0].page_bytes
     monkeypatch.setattr(plan_module, "device_memory_bytes",
                         lambda device, fraction: (usable, "0.9 of a fake device"))
     with pytest.raises(JaxinferError) as e:

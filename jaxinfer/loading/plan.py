@@ -29,7 +29,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -39,6 +41,7 @@ from jax.sharding import AbstractMesh
 from safetensors import safe_open
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.defaults import ACCELERATOR_DEFAULTS
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import checkpoint
 from jaxinfer.loading.checkpoint import DTYPES, OFFSET, SCALE
@@ -83,9 +86,10 @@ class MemoryPlan:
     usable_bytes: int  # hbm_bytes * memory_fraction
     weight_bytes: int
     weight_bytes_by_dtype: dict[str, int]
+    holes_bytes: int  # free memory between the loaded weights (`load_holes_per_device`)
     reserve_bytes: int
     kv_dtype: str
-    kv_bytes: int  # what the KV cache gets: usable - weights - reserve
+    kv_bytes: int  # what the KV cache gets: usable - weights - holes - reserve
     page_size: int
     page_bytes: int  # one page (k and v, every layer) on one device
     num_pages: int  # pages the engine can use (the runner's scratch page is extra)
@@ -110,6 +114,7 @@ class MemoryPlan:
             f"per device   {self.hbm_bytes / GiB:.2f} GiB x {self.memory_fraction:g} = "
             f"{self.usable_bytes / GiB:.2f} GiB usable",
             f"  weights  {size(self.weight_bytes)}  ({dtypes})",
+            f"  holes    {size(self.holes_bytes)}  (what loading leaves between the weights)",
             f"  reserve  {size(self.reserve_bytes)}  (workspace, activations, logits, autotuning)",
             f"  KV cache {size(self.kv_bytes)}  ({self.kv_dtype}, {_size(self.page_bytes)} per "
             f"page of {self.page_size} tokens)",
@@ -127,7 +132,8 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
                 tensors: dict[str, jax.ShapeDtypeStruct] | None = None,
                 page_size: int = 16, context: int | None = None,
                 memory_fraction: float = 0.9, reserve_bytes: int | None = None,
-                max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                max_num_seqs: int = ACCELERATOR_DEFAULTS.max_num_seqs,
+                max_num_batched_tokens: int = ACCELERATOR_DEFAULTS.max_num_batched_tokens,
                 name: str = "the model") -> MemoryPlan:
     """The plan of `config` on `mesh_spec` with `hbm_bytes` of memory per device.
 
@@ -157,6 +163,7 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
     weights = weight_bytes_per_device(placer, tensors)
     weight_total = sum(weights.values())
     largest = largest_tensor_bytes_per_device(placer, tensors)
+    holes = load_holes_per_device(placer, tensors)
     run_config = sharded_config(config, spec.tp)
     kv_dtype = jnp.dtype(tensors["embed.embedding"].dtype)
     page_bytes = kv_page_bytes(run_config, page_size, kv_dtype, mesh)
@@ -167,11 +174,12 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
     pages_per_seq = -(-context // page_size)
     kv_bytes, num_pages = kv_pages(
         f"{name} on {spec}", usable, f"{_size(hbm_bytes)} x {memory_fraction:g}",
-        weight_total, reserve_bytes, page_bytes, 1)
+        weight_total, reserve_bytes, page_bytes, 1,
+        free_block=max(usable - weight_total - holes, 0))
     return MemoryPlan(
         model=name, mesh=str(spec), devices=spec.size, hbm_bytes=int(hbm_bytes),
         memory_fraction=memory_fraction, usable_bytes=usable,
-        weight_bytes=weight_total, weight_bytes_by_dtype=weights,
+        weight_bytes=weight_total, weight_bytes_by_dtype=weights, holes_bytes=holes,
         reserve_bytes=reserve_bytes, kv_dtype=kv_dtype.name, kv_bytes=kv_bytes,
         page_size=page_size, page_bytes=page_bytes, num_pages=num_pages,
         kv_tokens=num_pages * page_size,
@@ -181,16 +189,23 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
 
 
 def kv_pages(where: str, usable: int, usable_from: str, weights: int, reserve: int,
-             page_bytes: int, min_pages: int, min_pages_for: str = "") -> tuple[int, int]:
+             page_bytes: int, min_pages: int, min_pages_for: str = "",
+             free_block: int | None = None) -> tuple[int, int]:
     """(KV bytes, pages) per device once weights and reserve are out of usable: the KV bytes
     rounded down to KV_ROUNDING_BYTES, the pages they hold less the runner's scratch page.
-    Raises a one-line JaxinferError naming every figure when fewer than min_pages fit
-    (min_pages_for says what they are for)."""
+    free_block: the largest free block of the device's pool, where the weights are loaded:
+    the KV arrays, each larger than the holes a load leaves between its arrays, and a
+    step's temporaries must fit in it together. Raises a one-line JaxinferError naming
+    every figure when fewer than min_pages fit (min_pages_for says what they are for)."""
     if weights > usable:
         raise JaxinferError(
             f"{where}: the weights do not fit: {_size(weights)} per device, {_size(usable)} "
             f"usable ({usable_from}); split them over more devices (tp, ep) or quantize them")
-    kv_bytes = usable - weights - reserve
+    free = usable - weights
+    if free_block is not None and free_block < free:
+        free = free_block
+        usable_from += f"; the largest free block after the weights {_size(free_block)}"
+    kv_bytes = free - reserve
     if kv_bytes >= 2 * KV_ROUNDING_BYTES:
         kv_bytes -= kv_bytes % KV_ROUNDING_BYTES
     num_pages = max(kv_bytes, 0) // page_bytes - 1  # the runner adds a scratch page
@@ -219,6 +234,17 @@ def set_memory_utilization(fraction: float) -> None:
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:g}"
 
 
+def device_memory_held(device: jax.Device) -> tuple[int, int] | None:
+    """(bytes in use, the largest free block) of `device`'s memory pool now; None where the
+    device reports neither (the CPU). The difference between the pool's free bytes and its
+    largest free block is the holes that loading the weights left: their temporaries
+    (a float32 draw, the parts of a joined projection) freed between arrays that stay."""
+    stats = device.memory_stats()
+    if not stats or "bytes_in_use" not in stats or "largest_free_block_bytes" not in stats:
+        return None
+    return int(stats["bytes_in_use"]), int(stats["largest_free_block_bytes"])
+
+
 def device_memory_bytes(device: jax.Device, fraction: float) -> tuple[int, str] | None:
     """(bytes the engine may use on `device`, how they were found): `fraction` of its memory,
     within JAX's pool (`bytes_limit`, XLA_PYTHON_CLIENT_MEM_FRACTION of it, 0.75 unless
@@ -245,6 +271,10 @@ class KVCachePlan:
     weight_bytes: int
     reserve_bytes: int
     page_bytes: int
+    step_bytes: int | None = None  # a step's measured need (None: the reserve is estimated)
+    step_from: str = ""  # which program that was
+    in_use_bytes: int = 0  # the pool's bytes in use when planned (the weights, and the rest)
+    free_block_bytes: int | None = None  # its largest free block then (None: not reported)
 
     def format(self, page_size: int) -> str:
         """One line for the terminal (what vLLM prints as its GPU blocks)."""
@@ -253,22 +283,33 @@ class KVCachePlan:
                 f"tokens ({self.num_pages * page_size} tokens)")
         if self.usable_bytes is None:
             return line + f"; {self.usable_from}"
-        return (line + f"; weights {_size(self.weight_bytes)}, reserve "
-                f"{_size(self.reserve_bytes)}, of {_size(self.usable_bytes)} usable "
+        step = ("estimated" if self.step_bytes is None else
+                f"a step's peak {_size(self.step_bytes)} measured")
+        held = ""
+        if self.free_block_bytes is not None:
+            held = (f" ({_size(self.in_use_bytes)} in use, largest free block "
+                    f"{_size(self.free_block_bytes)})")
+        return (line + f"; weights {_size(self.weight_bytes)}{held}, reserve "
+                f"{_size(self.reserve_bytes)} ({step}), of {_size(self.usable_bytes)} usable "
                 f"({self.usable_from})")
 
 
 def plan_kv_cache(model, mesh: jax.sharding.Mesh, *, page_size: int, max_model_len: int | None,
                   max_num_seqs: int, max_num_batched_tokens: int,
                   memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
-                  name: str = "the model", kv_dtype=None) -> KVCachePlan:
-    """The KV cache of `model` (a `Decoder` on `mesh`, one replica, loaded or its abstract
-    form: its arrays described, `ConvertedCheckpoint.abstract_model`) when the user
-    gives no size: on an accelerator, what its memory holds after the weights (their arrays'
-    bytes on the first device) and a step's reserve (`default_reserve`), which must take one
-    sequence of max_model_len (default: the model's context); on the CPU, what max_num_seqs
-    sequences of max_model_len need, at most CPU_KV_CACHE_CAP. kv_dtype: the pages' dtype
-    (default the model's)."""
+                  name: str = "the model", kv_dtype=None,
+                  measure_step: Callable[[], tuple[int, str]] | None = None) -> KVCachePlan:
+    """The KV cache of `model` (a `Decoder` on `mesh`, one replica) when the user gives no
+    size. On an accelerator the model is loaded: its pool holds, after what is in use (the
+    weights) and a step's reserve, the KV cache, which must fit the pool's largest free
+    block beside the reserve (`device_memory_held`) and take one sequence of max_model_len
+    (default: the model's context). On the CPU (the model loaded or its abstract form: its
+    arrays described, `ConvertedCheckpoint.abstract_model`): what max_num_seqs sequences of
+    max_model_len need, at most CPU_KV_CACHE_CAP. kv_dtype: the pages' dtype (default the
+    model's). measure_step: called on an accelerator only, returns (bytes a step needs
+    beyond its arguments on a device, which program that is), e.g. from
+    `jaxinfer.engine.memory_profile`; the reserve is then `measured_reserve`, else the
+    estimate `default_reserve`."""
     c = model.config
     tp = mesh_axis_size(mesh, "tp")
     dtype = model.embed.embedding.dtype if kv_dtype is None else kv_dtype
@@ -288,12 +329,19 @@ def plan_kv_cache(model, mesh: jax.sharding.Mesh, *, page_size: int, max_model_l
                            f"{pages_per_seq * page_size} tokens, "
                            f"at most {_size(CPU_KV_CACHE_CAP)}", weights, 0, page_bytes)
     usable, usable_from = memory
-    reserve = default_reserve(c, tp, max_num_seqs, max_num_batched_tokens, max(shares))
+    held = device_memory_held(device)
+    in_use, free_block = (weights, None) if held is None else (max(held[0], weights), held[1])
+    if measure_step is None:
+        step, step_from = None, "estimated"
+        reserve = default_reserve(c, tp, max_num_seqs, max_num_batched_tokens, max(shares))
+    else:
+        step, step_from = measure_step()
+        reserve = measured_reserve(step, max(shares))
     _, num_pages = kv_pages(
-        f"{name} on {device.device_kind}", usable, usable_from, weights, reserve, page_bytes,
-        pages_per_seq, f"one sequence of {pages_per_seq * page_size} tokens")
+        f"{name} on {device.device_kind}", usable, usable_from, in_use, reserve, page_bytes,
+        pages_per_seq, f"one sequence of {pages_per_seq * page_size} tokens", free_block)
     return KVCachePlan(num_pages * page_bytes * tp, num_pages, usable, usable_from, weights,
-                       reserve, page_bytes)
+                       reserve, page_bytes, step, step_from, in_use, free_block)
 
 
 def _size(b: int) -> str:
@@ -349,6 +397,17 @@ def weight_bytes_per_device(placer: ParamPlacer, tensors: dict[str, jax.ShapeDty
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def load_holes_per_device(placer: ParamPlacer, tensors: dict[str, jax.ShapeDtypeStruct]) -> int:
+    """Free memory a load leaves between the weights on each device, which no KV array can
+    use: each layer's q, k and v parts, freed once joined (`models.inference_form`) with
+    nothing their size allocated after them. Measured on an H200 (bytes in use against
+    the largest free block, `device_memory_held`): Llama-3-8B 1.797 GiB, its q/k/v parts
+    1.5; Qwen3-30B-A3B 0.938 GiB, its parts 0.938. `LLM` measures its own pool instead."""
+    parts = re.compile(r"layers\.\d+\.attn\.[qkv]_proj\.weight.*")
+    return sum(size for key, (_, size) in _shard_bytes_by_tensor(placer, tensors).items()
+               if parts.fullmatch(key))
+
+
 def largest_tensor_bytes_per_device(placer: ParamPlacer,
                                     tensors: dict[str, jax.ShapeDtypeStruct]) -> int:
     """One device's share of the largest of `tensors` once `placer` has laid it out."""
@@ -364,8 +423,21 @@ def kv_page_bytes(run_config: ModelConfig, page_size: int, dtype, mesh) -> int:
     return 2 * run_config.num_layers * shard_bytes(shape, dtype, split, mesh)
 
 
-def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int = 64,
-                    max_num_batched_tokens: int = 2048, largest_tensor_bytes: int = 0) -> int:
+def measured_reserve(step_bytes: int, largest_tensor_bytes: int) -> int:
+    """Memory kept free of weights and KV pages on each device, for a step whose program
+    needs step_bytes beyond its arguments (measured: `jaxinfer.engine.memory_profile`):
+
+      + WORKSPACE_BYTES: a step's inputs, the allocator's rounding, what XLA keeps beside
+        its programs;
+      + GEMM autotuning for a program compiled while the KV cache is allocated (one the
+        warm-up did not make: a longer context, logprobs): the largest weight's share and
+        a tenth (see `default_reserve`).
+    """
+    return WORKSPACE_BYTES + step_bytes + largest_tensor_bytes * 11 // 10
+
+
+def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int,
+                    max_num_batched_tokens: int, largest_tensor_bytes: int = 0) -> int:
     """Memory kept free of weights and KV pages on each device, for a step's temporaries:
 
       512 MiB   XLA / cuBLAS workspaces, compiled programs, a step's inputs;
@@ -380,8 +452,8 @@ def default_reserve(run_config: ModelConfig, tp: int, max_num_seqs: int = 64,
         compile after the KV cache is allocated need that room: without it Qwen3-30B-A3B
         on an H100 stopped with RESOURCE_EXHAUSTED at 609.5 MiB (its LM head, 594 MiB).
 
-    For llama3-8b at tp=1 with the serve defaults (64 sequences, 2048 tokens) this is
-    about 2.3 GiB. A heuristic, not a measurement; pass reserve_bytes to override it.
+    An estimate, for `jaxinfer plan` (which plans for a device it may not run on) and where
+    no step was measured (a scanned model); `LLM` measures (`measured_reserve`).
     """
     c = run_config
     widths = [(c.num_heads + 2 * c.num_kv_heads) * c.head_dim // tp]

@@ -1,0 +1,61 @@
+"""A step's memory peak, measured before the KV cache is planned (vLLM's profile run).
+
+What a step needs beyond the weights and the KV pages is what XLA's buffer assignment gives
+its program: temporaries (activations, logits, the sampler's copies, GEMM workspaces) and
+outputs. `profile_step_memory` compiles the largest programs an engine can run (the most
+tokens, the widest page table; the multi-step decode of every sequence slot) for a probe
+runner whose KV pool holds one longest sequence, and reads their analyses
+(`CompiledSteps.memory`). A program's temporaries do not depend on the pool's size: the
+pages are a donated argument, read and written in place by page index (tests/test_plan.py
+checks it). The figures are kept beside the executable cache, keyed like its programs, so
+a restart of the same configuration plans the same pool without compiling the probe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.engine.compiled_steps import ProgramMemory, StepShape
+from jaxinfer.engine.runner import ModelRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """The probe's result: the program that needs the most, and its bytes per device."""
+
+    shape: StepShape
+    memory: ProgramMemory
+
+    @property
+    def bytes(self) -> int:
+        return self.memory.total
+
+
+def probe_shapes(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
+                 decode_steps: int) -> list[StepShape]:
+    """The largest programs of each kind the engine can run: a batch of
+    max_num_batched_tokens (with logprobs, whose top-k copies of the logits a plain batch
+    lacks) at the widest page table, and with decode_steps > 1 the multi-step decode of
+    every sequence slot, also with logprobs."""
+    max_len = runner.max_pages_per_seq * runner.page_size
+    shapes = runner.warmup_shapes(max_num_seqs, max_num_batched_tokens, decode_steps, max_len)
+    largest = {}
+    for s in shapes:
+        key = s.num_steps
+        if key not in largest or (s.num_tokens, s.pages_per_seq) > (
+                largest[key].num_tokens, largest[key].pages_per_seq):
+            largest[key] = s
+    return [dataclasses.replace(s, with_logprobs=True) for _, s in sorted(largest.items())]
+
+
+def profile_step_memory(model, mesh, *, page_size: int, max_model_len: int, max_num_seqs: int,
+                        max_num_batched_tokens: int, decode_steps: int, kv_dtype,
+                        batch_invariant: bool = False) -> StepMemory:
+    """The largest of `probe_shapes`' needs for `model` (a `Decoder`, loaded or abstract) on
+    `mesh`, as the runner of these settings would run it."""
+    pages = -(-max_model_len // page_size)
+    probe = ModelRunner(model, pages, page_size, max_model_len, mesh, max_num_seqs, kv_dtype,
+                        batch_invariant=batch_invariant)
+    results = [StepMemory(s, probe.steps.memory(s))
+               for s in probe_shapes(probe, max_num_seqs, max_num_batched_tokens, decode_steps)]
+    return max(results, key=lambda r: r.bytes)
