@@ -26,7 +26,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.engine import Engine, EngineInterface, EngineStats, ReplicatedEngine
 from jaxinfer.engine.kv_pages import PagePool, page_hash, page_hashes
 from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner, StepOutput
-from jaxinfer.engine.scheduler import SeqChunk
+from jaxinfer.engine.scheduler import PENDING_TOKEN, SeqChunk
 from jaxinfer.loading.presets import preset_config, random_model
 
 from .conftest import VOCAB
@@ -112,10 +112,23 @@ class HostRunner:
         self.num_pages, self.page_size = num_pages, page_size
         self.config = SimpleNamespace(vocab_size=HOST_VOCAB)
         self.batches: list[list[bool]] = []
+        self.launched: list[list[SeqChunk]] = []
+        self.num_pending = 0  # decodes whose input token was still on the device
         self.num_steps: list[int] = []  # of each batch
         self.steps = SimpleNamespace(num_compiled=0, num_loaded=0, num_on_demand=0)
 
     def launch(self, chunks: list[SeqChunk], num_steps: int, with_logprobs: bool):
+        # A token still on the device (the engine's overlap) is the first of a decode, taken
+        # from the same sequence's row of the batch launched just before.
+        for c in chunks:
+            # Nothing is run for a token past the length limit (planned ahead or not).
+            assert c.params is None or c.step < c.params.max_tokens, c
+            if PENDING_TOKEN in c.new_tokens or c.prev_row >= 0:
+                assert c.new_tokens == [PENDING_TOKEN] and c.prev_row >= 0, c
+                before = self.launched[-1][c.prev_row]
+                assert (before.seed, before.step) == (c.seed, c.step - 1), (before, c)
+                self.num_pending += 1
+        self.launched.append(chunks)
         self.batches.append([len(c.new_tokens) == 1 and c.num_cached + 1 == c.num_prompt + c.step
                              for c in chunks])
         self.num_steps.append(num_steps)
@@ -130,9 +143,10 @@ class HostRunner:
         return pending
 
 
-def _host_engine(num_pages: int, decode_steps: int = 1) -> Engine:
+def _host_engine(num_pages: int, decode_steps: int = 1, overlap: bool = False) -> Engine:
     return Engine(HostRunner(num_pages, page_size=4), [HOST_EOS], max_model_len=64,
-                  max_num_seqs=4, max_num_batched_tokens=12, decode_steps=decode_steps)
+                  max_num_seqs=4, max_num_batched_tokens=12, decode_steps=decode_steps,
+                  overlap=overlap)
 
 
 def _host_workload(seed: int):
@@ -167,6 +181,24 @@ def _run_host(engine: EngineInterface, prompts, params, check_step=None) -> list
 def _solo(prompts, params, decode_steps: int = 1) -> list:
     return [_run_host(_host_engine(64, decode_steps), [p], [sp])[0]
             for p, sp in zip(prompts, params, strict=True)]
+
+
+@pytest.mark.parametrize("num_pages", [9, 64])
+def test_overlapped_steps_give_the_solo_outputs(num_pages):
+    """With overlap (the next batch planned and launched while one runs), on the small pool
+    of the test below and on a large one: every output (EOS, length limits, prefix hits,
+    requests waiting for pages) is its solo output, decodes take their input from the
+    previous batch's row of the same sequence, and every page comes back."""
+    prompts, params = _host_workload(0)
+    want = _solo(prompts, params)
+    engine = _host_engine(num_pages, overlap=True)
+    assert _run_host(engine, prompts, params) == want
+    assert engine.runner.num_pending > 0
+    stats = engine.stats()
+    assert stats.num_generated_tokens == sum(len(out) for out, _ in want)
+    pool = engine.scheduler.pool
+    assert pool.num_free == num_pages and not any(pool.ref)
+    assert (stats.num_waiting, stats.num_running) == (0, 0)
 
 
 @pytest.mark.parametrize("decode_steps", [1, 3])

@@ -4,6 +4,13 @@
 runs), model runner (`jaxinfer.engine.runner`: the step on the device) and output side
 (`jaxinfer.engine.output`: stops, text, logprobs). A step is `launch` (schedule a batch and
 dispatch it) then `finish` (wait for its tokens and apply them to the requests).
+
+With `overlap` (vLLM's async scheduling), `step` launches the next batch before it
+finishes the current one, so the host's work for a step (scheduling, its inputs, reading
+back and applying the tokens) runs while the device computes the one before: the next
+batch's decodes take their input tokens from the running step's output on the device
+(`SeqChunk.prev_row`). A request that the running step ends by EOS or a stop string runs
+one more token in the next batch, dropped when that batch finishes.
 `ReplicatedEngine` runs data-parallel replicas behind the same `EngineInterface`.
 """
 
@@ -19,9 +26,12 @@ import numpy as np
 from jaxinfer.engine import output
 from jaxinfer.engine.request import Request, RequestDelta, SamplingParams
 from jaxinfer.engine.runner import ModelRunner, PendingStep
-from jaxinfer.engine.scheduler import Scheduler, SeqChunk
+from jaxinfer.engine.scheduler import PENDING_TOKEN, Scheduler, SeqChunk
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.tokenizer import Tokenizer
+
+# A dispatched batch: its requests and chunks, and the runner's pending step.
+Launched = tuple[list[tuple[Request, SeqChunk]], PendingStep]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +125,12 @@ class Engine(EngineInterface):
 
     def __init__(self, runner: ModelRunner, eos_token_ids, max_model_len: int,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
-                 tokenizer: Tokenizer | None = None, decode_steps: int = 1):
+                 tokenizer: Tokenizer | None = None, decode_steps: int = 1,
+                 overlap: bool = False):
+        """overlap: `step` plans and launches the next batch while the current one runs
+        (see the module doc), where it can: one decode step a call (decode_steps 1) and no
+        penalties in the running or waiting requests (their token history would lack the
+        tokens still on the device)."""
         if min(max_num_seqs, max_num_batched_tokens, decode_steps) < 1:
             raise JaxinferError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens="
                                 f"{max_num_batched_tokens} and decode_steps={decode_steps} "
@@ -135,6 +150,8 @@ class Engine(EngineInterface):
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
         self._last_batch: list[tuple[Request, SeqChunk]] = []
+        self.overlap = overlap and decode_steps == 1
+        self._ahead: Launched | None = None  # launched, to finish at the next step
 
     @property
     def runners(self) -> list[ModelRunner]:
@@ -190,12 +207,19 @@ class Engine(EngineInterface):
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
-        return self.finish(self.launch())
+        current, self._ahead = self._ahead, None
+        if current is None:
+            current = self.launch()
+        if current is not None and self.overlap:
+            self._ahead = self._launch_ahead(current)
+        return self.finish(current)
 
-    def launch(self) -> tuple[list[tuple[Request, SeqChunk]], PendingStep] | None:
+    def launch(self) -> Launched | None:
         """Schedules a batch and dispatches it to the device without waiting (None: nothing
         to run); `finish` collects it."""
-        batch = self._last_batch = self.scheduler.schedule()
+        return self._dispatch(self.scheduler.schedule())
+
+    def _dispatch(self, batch: list[tuple[Request, SeqChunk]]) -> Launched | None:
         if not batch:
             return None
         num_steps = self.scheduler.num_decode_steps(batch)
@@ -203,15 +227,45 @@ class Engine(EngineInterface):
         return batch, self.runner.launch([chunk for _, chunk in batch], num_steps,
                                          with_logprobs)
 
-    def finish(self, launched) -> list[RequestDelta]:
+    def _launch_ahead(self, current: Launched) -> Launched | None:
+        """Plans and dispatches the batch after `current` while it runs (`overlap`): the
+        requests' state moved past current's chunks, each token it samples pending
+        (`PENDING_TOKEN`, taken on the device by the next batch's decodes). None where the
+        next batch cannot be planned ahead (penalties), or is empty."""
+        s = self.scheduler
+        if any(r.params.has_penalties for r in itertools.chain(s.running, s.waiting)):
+            return None
+        rows, last = {}, set()
+        for row, (req, chunk) in enumerate(current[0]):
+            if req.finished:  # aborted since
+                continue
+            done = chunk.num_cached + len(chunk.new_tokens)
+            s.cache(req, done)
+            if done == len(req.all_ids):  # samples a token
+                req.all_ids.append(PENDING_TOKEN)
+                rows[req] = row
+                if s.remaining(req) <= 0:
+                    last.add(req)
+        batch = s.schedule(ahead=True, last=frozenset(last))
+        for req, chunk in batch:
+            if req in rows and chunk.num_cached == len(req.all_ids) - 1:
+                chunk.prev_row = rows[req]
+        return self._dispatch(batch)
+
+    def finish(self, launched: Launched | None) -> list[RequestDelta]:
         """Waits for a launched batch and applies its tokens to the requests."""
         if launched is None:
             return []
         batch, pending = launched
+        self._last_batch = batch
         out = self.runner.collect(pending)
         self.num_steps += 1
         scheduler, deltas = self.scheduler, []
         for s, (req, chunk) in enumerate(batch):
+            if req.finished:  # ended (or aborted) while this batch ran: its row is dropped
+                continue
+            if req.all_ids[-1] == PENDING_TOKEN:  # this batch's token, planned ahead on
+                req.all_ids.pop()
             first = len(chunk.new_tokens)
             self.num_computed_tokens += first
             if chunk.num_cached + first < len(req.all_ids):  # a prefill chunk, prompt not done
@@ -232,6 +286,8 @@ class Engine(EngineInterface):
 
     def abort(self, req: Request):
         self.scheduler.abort(req)
+        if req.all_ids[-1] == PENDING_TOKEN:  # sampled by a batch still running
+            req.all_ids.pop()
         req.finish_reason = req.finish_reason or "abort"
 
     def logits(self, prompts: list[list[int]]) -> list[np.ndarray]:

@@ -57,6 +57,9 @@ class StepInputs:
     num_prompt: jax.Array  # [S] int32: history[s, :num_prompt[s]] is the prompt
     remaining: jax.Array  # [S] int32: tokens s may still produce (multi-step decode stops there)
     stops_on_eos: jax.Array  # [S] bool: an EOS token ends s (not ignore_eos)
+    # [T] int32: -1, or the row of the previous step whose sampled token is this token (it is
+    # still on the device when this step is launched: `SeqChunk.prev_row`)
+    prev_rows: jax.Array
 
 
 @dataclasses.dataclass
@@ -122,6 +125,8 @@ class ModelRunner:
                                       self.max_pages_per_seq)
         self.max_seq_slots = None if max_num_seqs is None else bucket(max_num_seqs, 1)
         self.batch_invariant = batch_invariant
+        # A conditional costs an accelerator a host round trip in the step (`sample`).
+        self._skip_draw = self.mesh.devices.flat[0].platform == "cpu"
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
         leaves, self.state_treedef = jax.tree.flatten(state)
@@ -150,6 +155,13 @@ class ModelRunner:
                    compiler_options=step_compiler_options(self.mesh))
         self._sample_step = jax.jit(self._sample, static_argnames=("num_steps", "with_logprobs"),
                                     **jit)
+        # The last sampled token of each row of the latest sample step, which the next step
+        # may take as its input tokens (`StepInputs.prev_rows`): it stays on the device.
+        self.prev_slots = self.max_seq_slots or 1
+        replicated = NamedSharding(self.mesh, P())
+        self._prev_aval = jax.ShapeDtypeStruct((self.prev_slots,), jnp.int32,
+                                               sharding=replicated)
+        self._prev_tokens = None
         self._logits_step = jax.jit(self._logits, **jit)
         identity = repr((c, self.eos_token_ids, page_size, num_pages, jit["compiler_options"],
                          batch_invariant,
@@ -189,11 +201,12 @@ class ModelRunner:
         if self._kv_cache is None:
             self._kv_cache = [(self._kv_zeros(), self._kv_zeros()) for _ in self.kv_avals]
 
-    def lower(self, shape: StepShape, kv_cache, state_leaves, inputs) -> jax.stages.Lowered:
+    def lower(self, shape: StepShape, kv_cache, state_leaves, inputs, *prev_tokens
+              ) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh), batch_invariant_mode(self.batch_invariant):
             if shape.kind == "logits":
                 return self._logits_step.trace(kv_cache, state_leaves, inputs).lower()
-            return self._sample_step.trace(kv_cache, state_leaves, inputs,
+            return self._sample_step.trace(kv_cache, state_leaves, inputs, *prev_tokens,
                                            num_steps=shape.num_steps,
                                            with_logprobs=shape.with_logprobs).lower()
 
@@ -201,11 +214,14 @@ class ModelRunner:
         # The weights where they are loaded (lowering reads only their shapes, dtypes and
         # shardings), their descriptions while they load.
         weights = self._state_leaves if self._state_leaves is not None else self.state_avals
-        return self.kv_avals, weights, self.empty_inputs(shape)
+        inputs = self.empty_inputs(shape)
+        if shape.kind == "logits":
+            return self.kv_avals, weights, inputs
+        return self.kv_avals, weights, inputs, self._prev_aval
 
     def _out_tree(self, shape: StepShape):
         kv = [tuple(0 for _ in layer) for layer in self.kv_avals]
-        return jax.tree.structure((0 if shape.kind == "logits" else (0, 0, 0, 0), kv))
+        return jax.tree.structure((0 if shape.kind == "logits" else (0, 0, 0, 0, 0), kv))
 
     def _model(self, state_leaves) -> Decoder:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_treedef, state_leaves))
@@ -215,12 +231,24 @@ class ModelRunner:
         hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, inputs.md)
         return model.logits(hidden), kv_cache
 
-    def _sample(self, kv_cache, state_leaves, inputs: StepInputs, *, num_steps: int,
-                with_logprobs: bool):
+    def _sample(self, kv_cache, state_leaves, inputs: StepInputs, prev_tokens, *,
+                num_steps: int, with_logprobs: bool):
         """One forward + sample, or num_steps of them for a decode-only batch (one token per
-        sequence) in a while loop that exits once every sequence has finished."""
+        sequence) in a while loop that exits once every sequence has finished. prev_tokens
+        [prev_slots] int32: the previous sample step's last token per row, taken where
+        inputs.prev_rows says. Returns ((tokens [S, N], logprobs [S, N], top ids and
+        logprobs [S, N, K], each row's last token [prev_slots]), the KV cache)."""
         model = self._model(state_leaves)
         vocab, S = self.config.vocab_size, inputs.logits_indices.shape[0]
+        from_prev = inputs.prev_rows >= 0
+        inputs = dataclasses.replace(inputs, token_ids=jnp.where(
+            from_prev, prev_tokens[jnp.where(from_prev, inputs.prev_rows, 0)], inputs.token_ids))
+        kept = min(S, self.prev_slots)
+
+        def last_tokens(tokens):  # [S, N] -> [prev_slots]: each row's last sampled token
+            taken = jnp.sum(tokens >= 0, axis=1)  # -1 after a row finished on the device
+            last = jnp.take_along_axis(tokens, jnp.maximum(taken - 1, 0)[:, None], 1)[:, 0]
+            return jnp.zeros(self.prev_slots, jnp.int32).at[:kept].set(last[:kept])
         penalties = inputs.history.shape[1] > 0
         seen, counts = (token_counts(inputs.history, inputs.num_prompt, vocab) if penalties
                         else (None, None))
@@ -231,7 +259,7 @@ class ModelRunner:
             hidden, kv_cache = model(token_ids, positions, kv_cache, md)
             logits = model.logits(hidden[inputs.logits_indices])
             t = dataclasses.replace(inputs.sampling, steps=steps)
-            tokens = sample(logits, t, seen, counts)
+            tokens = sample(logits, t, seen, counts, skip_draw=self._skip_draw)
             if with_logprobs:
                 lp = logprobs_of(logits, tokens, num_top)
             else:
@@ -241,7 +269,8 @@ class ModelRunner:
         if num_steps == 1:
             tokens, lp, kv_cache = forward(kv_cache, inputs.token_ids, inputs.positions,
                                            inputs.md, inputs.sampling.steps, seen, counts)
-            return (tokens[:, None], lp[0][:, None], lp[1][:, None], lp[2][:, None]), kv_cache
+            return ((tokens[:, None], lp[0][:, None], lp[1][:, None], lp[2][:, None],
+                     last_tokens(tokens[:, None])), kv_cache)
 
         # A decode-only batch (token s is sequence s's): all num_steps steps run in one while
         # loop (the first is not peeled off ahead of it), so the program holds one copy of
@@ -300,8 +329,8 @@ class ModelRunner:
                 out_top_lp=out_top_lp)
 
         state = jax.lax.while_loop(cond, body, state)
-        return ((state.out_tokens, state.out_lp, state.out_top_ids, state.out_top_lp),
-                state.kv_cache)
+        return ((state.out_tokens, state.out_lp, state.out_top_ids, state.out_top_lp,
+                 last_tokens(state.out_tokens)), state.kv_cache)
 
     def step_shape(self, chunks: list[SeqChunk], num_steps: int = 1,
                    with_logprobs: bool = False, kind: str = "sample") -> StepShape:
@@ -378,7 +407,7 @@ class ModelRunner:
         return StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), md,
                           np.zeros(S, np.int32), SamplingTensors.build([], [], [], S),
                           np.full((S, L), -1, np.int32), np.zeros(S, np.int32),
-                          np.zeros(S, np.int32), np.zeros(S, bool))
+                          np.zeros(S, np.int32), np.zeros(S, bool), np.full(T, -1, np.int32))
 
     def prepare(self, chunks: list[SeqChunk], shape: StepShape) -> StepInputs:
         """Host-side: the batch padded to its shape's buckets (numpy; one transfer per
@@ -389,6 +418,8 @@ class ModelRunner:
         for s, c in enumerate(chunks):
             n = len(c.new_tokens)
             x.token_ids[t:t + n] = c.new_tokens
+            if c.prev_row >= 0:  # its first token is still on the device
+                x.token_ids[t], x.prev_rows[t] = 0, c.prev_row
             x.positions[t:t + n] = np.arange(c.num_cached, c.num_cached + n)
             md.cu_q_lens[s + 1] = t + n
             md.kv_lens[s] = c.num_cached + n
@@ -461,15 +492,22 @@ class ModelRunner:
                 self.steps.prefetch(shape)
             # Arguments in this order: the KV pages (allocated on first use), then the
             # weights (waited for), then the program (waited for, or compiled) runs.
-            out, self.kv_cache = self.steps.run(shape, self.kv_cache, self.state_leaves,
-                                                multihost.to_global(inputs, self.mesh))
+            args = [self.kv_cache, self.state_leaves, multihost.to_global(inputs, self.mesh)]
+            if kind == "sample":
+                if self._prev_tokens is None:
+                    self._prev_tokens = jax.device_put(np.zeros(self.prev_slots, np.int32),
+                                                       self._prev_aval.sharding)
+                args.append(self._prev_tokens)
+            out, self.kv_cache = self.steps.run(shape, *args)
+            if kind == "sample":
+                self._prev_tokens = out[4]
         return out
 
     @staticmethod
     def collect(pending: PendingStep) -> StepOutput:
         n = pending.num_seqs
         # Only the ids come back to the host unless logprobs were asked for.
-        out = pending.out if pending.with_logprobs else pending.out[:1]
+        out = pending.out[:4] if pending.with_logprobs else pending.out[:1]
         return StepOutput(*(multihost.host_value(x)[:n] for x in out))
 
     def logits(self, chunks: list[SeqChunk]) -> list[np.ndarray]:

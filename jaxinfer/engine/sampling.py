@@ -79,19 +79,26 @@ def apply_penalties(logits, t: SamplingTensors, seen, output_counts):
     return logits - t.presence_penalty[:, None] * (counts > 0)
 
 
-def sample(logits, t: SamplingTensors, seen=None, output_counts=None):
+def sample(logits, t: SamplingTensors, seen=None, output_counts=None,
+           skip_draw: bool = True):
     """logits [S, V] f32 -> token ids [S] int32.
 
     seen / output_counts (from token_counts) turn the penalties on. Rows with
     temperature 0 take the argmax. Others: scale by temperature, keep the top_k
     highest (0 = all), then the smallest set whose probability reaches top_p, then
     the tokens with probability >= min_p * the highest, and draw from what is left.
-    A batch with no sampled row skips the vocabulary sort.
+    skip_draw: a batch with no sampled row skips the vocabulary sort, through a
+    conditional; on GPUs XLA reads a conditional's predicate back to the host, which
+    makes the step's launch wait for the whole forward pass before it, so there the
+    runner draws every batch (bench/NOTES.md, Serving engine decode loop).
     """
     if seen is not None:
         logits = apply_penalties(logits, t, seen, output_counts)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    drawn = jax.lax.cond(jnp.any(t.temperature > 0), _draw, lambda *_: greedy, logits, t)
+    if skip_draw:
+        drawn = jax.lax.cond(jnp.any(t.temperature > 0), _draw, lambda *_: greedy, logits, t)
+    else:
+        drawn = _draw(logits, t)
     return jnp.where(t.temperature > 0, drawn, greedy)
 
 

@@ -17,6 +17,11 @@ same). The oldest request is never preempted for a newer one, so none starves.
 
 With `decode_steps` N > 1, a batch that is all decodes (nothing waiting or
 prefilling) runs up to N decode steps on the device in one call (`num_decode_steps`).
+
+`schedule(ahead=...)` plans a step while the one before it still runs (the engine's
+overlap): each request that samples in the running step holds PENDING_TOKEN as its last
+id until the step's tokens are read back, which nothing hashes or sends anywhere; that
+step's last tokens are skipped, and nothing is preempted.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from collections import deque
 from jaxinfer.engine.kv_pages import PagePool, page_hashes
 from jaxinfer.engine.request import Request, SamplingParams
 from jaxinfer.errors import JaxinferError
+
+# The id of a token sampled by a step still on the device (`Scheduler.schedule`'s ahead):
+# never a real token id, which are >= 0.
+PENDING_TOKEN = -1
 
 
 @dataclasses.dataclass
@@ -46,6 +55,9 @@ class SeqChunk:
     history: list[int] | None = None
     num_prompt: int = 0
     remaining: int = 1
+    # >= 0: new_tokens[0] is the token the previous step sampled in this row, not yet read
+    # back (its place in the request's ids holds PENDING_TOKEN): see `Engine`'s overlap.
+    prev_row: int = -1
 
 
 class Scheduler:
@@ -84,8 +96,17 @@ class Scheduler:
         return min(req.params.max_tokens - req.num_output,
                    self.max_model_len - len(req.all_ids))
 
-    def schedule(self) -> list[tuple[Request, SeqChunk]]:
-        """Decodes first (oldest first, one token each), then prefill chunks, in the budget."""
+    def schedule(self, ahead: bool = False, last: frozenset[Request] = frozenset()
+                 ) -> list[tuple[Request, SeqChunk]]:
+        """Decodes first (oldest first, one token each), then prefill chunks, in the budget.
+
+        ahead: planned while the previous step runs, whose sampled tokens are the pending
+        last ids of their requests (their decodes take them from the device); `last`: the
+        requests whose pending token is their last (the length limit), not run again.
+        Nothing else is known of that step: a request it ends by EOS or a stop runs one
+        token more, which the engine drops. A request that needs a page none has free waits
+        for the next step instead of preempting one (a preempted request would be
+        recomputed without the token it is sampling)."""
         self._admit()
         budget = self.max_num_batched_tokens
         batch, scheduled = [], set()
@@ -94,15 +115,17 @@ class Scheduler:
         for req in sorted(decoding, key=lambda r: r.id) + sorted(prefilling, key=lambda r: r.id):
             if req not in self.running:
                 continue  # preempted for an older request in this loop
+            if req in last:
+                continue
             n = min(len(req.all_ids) - req.num_cached, budget)
             if n <= 0:
                 break
-            if not self._reserve(req, req.num_cached + n, scheduled):
+            if not self._reserve(req, req.num_cached + n, scheduled, preempt=not ahead):
                 continue
             budget -= n
             scheduled.add(req)
             batch.append((req, self._chunk(req, n)))
-        if not batch and self.running:  # cannot happen: the oldest request always fits
+        if not batch and self.running and not ahead:  # the oldest request always fits
             raise JaxinferError("scheduler stalled: no running request could get KV pages")
         return batch
 
@@ -175,13 +198,14 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def _reserve(self, req: Request, num_tokens: int, scheduled: set) -> bool:
+    def _reserve(self, req: Request, num_tokens: int, scheduled: set,
+                 preempt: bool = True) -> bool:
         """Gives req pages for num_tokens tokens, preempting newer unscheduled requests if
-        needed; False if it must wait (nothing newer to preempt)."""
+        needed (and allowed); False if it must wait."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
         while need > self.pool.num_free:
             newer = [r for r in self.running if r.id > req.id and r not in scheduled]
-            if not newer:
+            if not newer or not preempt:
                 return False
             self._preempt(max(newer, key=lambda r: r.id))
         if need > 0:
