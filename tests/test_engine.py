@@ -23,6 +23,7 @@ import pytest
 import jaxinfer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.compiled_steps import StepShape
 from jaxinfer.engine.engine import Engine, EngineInterface, EngineStats, ReplicatedEngine
 from jaxinfer.engine.kv_pages import PagePool, page_hash, page_hashes
 from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner, StepOutput
@@ -457,15 +458,18 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     assert seconds > 0
     steps = llm.runner.steps
     # One page bucket (the narrowest is wider than the 7 pages a sequence can have): token
-    # buckets 1..64, and the 4-step decodes of 1, 2 and 4 sequences.
-    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 7 + 3
+    # buckets 1..64, the 4-step decodes of 1, 2 and 4 sequences, and the draws of 1, 2 and
+    # 4 sequence slots (a one-step batch that samples).
+    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 7 + 3 + 3
     assert steps.num_on_demand == 0
     assert not any(llm.engine.scheduler.pool.ref)
     rng = np.random.default_rng()
     prompts = [rng.integers(2, VOCAB, n).tolist() for n in (10, 40, 3, 30)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     # Batched and chunked prefills (83 tokens against 64), prompts beside decodes, then
-    # decodes of 4..1 sequences: nothing compiled on demand.
+    # decodes of 4..1 sequences: nothing compiled on demand; nor for requests that sample.
+    assert steps.num_on_demand == 0
+    llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True))
     assert steps.num_on_demand == 0
 
 
@@ -519,9 +523,13 @@ def test_every_batch_within_the_limits_runs_a_warmed_program(max_num_seqs, budge
     runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=64,
                          page_size=PAGE, max_model_len=256 * PAGE, max_num_seqs=max_num_seqs)
     warm = set(runner.warmup_shapes(max_num_seqs, budget, decode_steps, WARMUP_CONTEXT))
-    tokens = {s.num_tokens for s in warm if s.num_steps == 1}
+    one_step = [s for s in warm if s.kind == "sample" and s.num_steps == 1]
+    tokens = {s.num_tokens for s in one_step}
     assert tokens == {1 << i for i in range((budget - 1).bit_length() + 1)}
-    assert len([s for s in warm if s.num_steps == 1]) == len(tokens)
+    assert len(one_step) == len(tokens)
+    # and the draw of each one's sequence slots, for batches that sample
+    assert {s for s in warm if s.kind == "draw"} == {
+        StepShape("draw", s.num_seqs, s.num_seqs, 0) for s in one_step}
     rng = np.random.default_rng()
     for _ in range(300):
         n = int(rng.integers(1, max_num_seqs + 1))
@@ -539,6 +547,8 @@ def test_every_batch_within_the_limits_runs_a_warmed_program(max_num_seqs, budge
                                    remaining=steps))
         shape = runner.step_shape(chunks, steps)
         assert shape in warm, (shape, [len(c.new_tokens) for c in chunks])
+        if steps == 1:
+            assert StepShape("draw", shape.num_seqs, shape.num_seqs, 0) in warm
 
 
 @pytest.mark.gpu

@@ -280,7 +280,9 @@ def test_a_steps_memory_does_not_depend_on_the_pool_size():
     model = random_model(preset_config("tiny-moe"), jnp.bfloat16)
     runners = [ModelRunner(model, pages, 16, 512, max_num_seqs=8) for pages in (32, 3000)]
     shapes = probe_shapes(runners[0], 8, 64, 4)
-    assert [s.num_steps for s in shapes] == [1, 4] and shapes[0].num_tokens == 64
+    assert [(s.kind, s.num_steps) for s in shapes] == [("sample", 1), ("sample", 4),
+                                                        ("draw", 1)]
+    assert shapes[0].num_tokens == 64 and shapes[2].num_seqs == 8
     for shape in shapes:
         small, large = (r.steps.memory(shape) for r in runners)
         assert small == large and small.temp_bytes > 0, (shape, small, large)

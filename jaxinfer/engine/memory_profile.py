@@ -25,27 +25,34 @@ class StepMemory:
 
     shape: StepShape
     memory: ProgramMemory
+    inputs_bytes: int = 0  # arguments that live only for this program (a draw's logits)
 
     @property
     def bytes(self) -> int:
-        return self.memory.total
+        return self.memory.total + self.inputs_bytes
 
 
 def probe_shapes(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
                  decode_steps: int) -> list[StepShape]:
     """The largest programs of each kind the engine can run: a batch of
     max_num_batched_tokens (with logprobs, whose top-k copies of the logits a plain batch
-    lacks) at the widest page table, and with decode_steps > 1 the multi-step decode of
-    every sequence slot, also with logprobs."""
+    lacks) at the widest page table, with decode_steps > 1 the multi-step decode of every
+    sequence slot, and the draw of every slot (its input logits counted), all with
+    logprobs."""
     max_len = runner.max_pages_per_seq * runner.page_size
     shapes = runner.warmup_shapes(max_num_seqs, max_num_batched_tokens, decode_steps, max_len)
-    largest = {}
+    by_steps = {}  # one-step and multi-step batches
     for s in shapes:
-        key = s.num_steps
-        if key not in largest or (s.num_tokens, s.pages_per_seq) > (
-                largest[key].num_tokens, largest[key].pages_per_seq):
-            largest[key] = s
-    return [dataclasses.replace(s, with_logprobs=True) for _, s in sorted(largest.items())]
+        if s.kind != "sample":
+            continue
+        if s.num_steps not in by_steps or (s.num_tokens, s.pages_per_seq) > (
+                by_steps[s.num_steps].num_tokens, by_steps[s.num_steps].pages_per_seq):
+            by_steps[s.num_steps] = s
+    largest = [s for _, s in sorted(by_steps.items())]
+    draws = [s for s in shapes if s.kind == "draw"]
+    if draws:
+        largest.append(max(draws, key=lambda s: s.num_seqs))
+    return [dataclasses.replace(s, with_logprobs=True) for s in largest]
 
 
 def profile_step_memory(model, mesh, *, page_size: int, max_model_len: int, max_num_seqs: int,
@@ -56,6 +63,8 @@ def profile_step_memory(model, mesh, *, page_size: int, max_model_len: int, max_
     pages = -(-max_model_len // page_size)
     probe = ModelRunner(model, pages, page_size, max_model_len, mesh, max_num_seqs, kv_dtype,
                         batch_invariant=batch_invariant)
-    results = [StepMemory(s, probe.steps.memory(s))
+    vocab = model.config.vocab_size
+    results = [StepMemory(s, probe.steps.memory(s),
+                          s.num_seqs * vocab * 4 if s.kind == "draw" else 0)
                for s in probe_shapes(probe, max_num_seqs, max_num_batched_tokens, decode_steps)]
     return max(results, key=lambda r: r.bytes)

@@ -23,7 +23,13 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.engine import multihost
 from jaxinfer.engine.compiled_steps import CompiledSteps, StepShape
 from jaxinfer.engine.request import MAX_LOGPROBS
-from jaxinfer.engine.sampling import SamplingTensors, logprobs_of, sample, token_counts
+from jaxinfer.engine.sampling import (
+    SamplingTensors,
+    greedy_tokens,
+    logprobs_of,
+    sample,
+    token_counts,
+)
 from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
@@ -43,6 +49,15 @@ def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
     """The smallest power of two >= max(n, minimum), capped at maximum."""
     b = max(minimum, 1 << max(n - 1, 0).bit_length())
     return min(b, maximum) if maximum else b
+
+
+def last_tokens(tokens, num_seqs: int, size: int):
+    """tokens [S, N] (-1 after a row finished on the device) -> [size] int32: each row's last
+    token, the next step's input where it takes it on the device (`StepInputs.prev_rows`)."""
+    kept = min(num_seqs, size)
+    taken = jnp.sum(tokens >= 0, axis=1)
+    last = jnp.take_along_axis(tokens, jnp.maximum(taken - 1, 0)[:, None], 1)[:, 0]
+    return jnp.zeros(size, jnp.int32).at[:kept].set(last[:kept])
 
 
 @jax.tree_util.register_dataclass
@@ -125,7 +140,8 @@ class ModelRunner:
                                       self.max_pages_per_seq)
         self.max_seq_slots = None if max_num_seqs is None else bucket(max_num_seqs, 1)
         self.batch_invariant = batch_invariant
-        # A conditional costs an accelerator a host round trip in the step (`sample`).
+        # A conditional costs an accelerator a host round trip in the step (`sample`): the
+        # multi-step decode loop draws every step there.
         self._skip_draw = self.mesh.devices.flat[0].platform == "cpu"
         self.graphdef, state = nnx.split(model)
         # Flattening the nnx.State pytree costs ~0.4 ms per call; a list of leaves ~0.06.
@@ -162,6 +178,8 @@ class ModelRunner:
         self._prev_aval = jax.ShapeDtypeStruct((self.prev_slots,), jnp.int32,
                                                sharding=replicated)
         self._prev_tokens = None
+        self._draw_step = jax.jit(self._draw, static_argnames=("with_logprobs",),
+                                  out_shardings=replicated)
         self._logits_step = jax.jit(self._logits, **jit)
         identity = repr((c, self.eos_token_ids, page_size, num_pages, jit["compiler_options"],
                          batch_invariant,
@@ -201,9 +219,11 @@ class ModelRunner:
         if self._kv_cache is None:
             self._kv_cache = [(self._kv_zeros(), self._kv_zeros()) for _ in self.kv_avals]
 
-    def lower(self, shape: StepShape, kv_cache, state_leaves, inputs, *prev_tokens
-              ) -> jax.stages.Lowered:
+    def lower(self, shape: StepShape, *args) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh), batch_invariant_mode(self.batch_invariant):
+            if shape.kind == "draw":
+                return self._draw_step.trace(*args, with_logprobs=shape.with_logprobs).lower()
+            kv_cache, state_leaves, inputs, *prev_tokens = args
             if shape.kind == "logits":
                 return self._logits_step.trace(kv_cache, state_leaves, inputs).lower()
             return self._sample_step.trace(kv_cache, state_leaves, inputs, *prev_tokens,
@@ -215,13 +235,22 @@ class ModelRunner:
         # shardings), their descriptions while they load.
         weights = self._state_leaves if self._state_leaves is not None else self.state_avals
         inputs = self.empty_inputs(shape)
+        if shape.kind == "draw":  # the logits of a sample step, and its sampling inputs
+            logits = jax.ShapeDtypeStruct((shape.num_seqs, self.config.vocab_size), jnp.float32,
+                                          sharding=self._prev_aval.sharding)
+            return logits, inputs.sampling, inputs.history, inputs.num_prompt
         if shape.kind == "logits":
             return self.kv_avals, weights, inputs
         return self.kv_avals, weights, inputs, self._prev_aval
 
     def _out_tree(self, shape: StepShape):
+        if shape.kind == "draw":
+            return jax.tree.structure((0, 0, 0, 0, 0))
         kv = [tuple(0 for _ in layer) for layer in self.kv_avals]
-        return jax.tree.structure((0 if shape.kind == "logits" else (0, 0, 0, 0, 0), kv))
+        if shape.kind == "logits":
+            return jax.tree.structure((0, kv))
+        # One step also returns its logits, for the draw (`_run`).
+        return jax.tree.structure(((0,) * (6 if shape.num_steps == 1 else 5), kv))
 
     def _model(self, state_leaves) -> Decoder:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_treedef, state_leaves))
@@ -243,34 +272,33 @@ class ModelRunner:
         from_prev = inputs.prev_rows >= 0
         inputs = dataclasses.replace(inputs, token_ids=jnp.where(
             from_prev, prev_tokens[jnp.where(from_prev, inputs.prev_rows, 0)], inputs.token_ids))
-        kept = min(S, self.prev_slots)
 
-        def last_tokens(tokens):  # [S, N] -> [prev_slots]: each row's last sampled token
-            taken = jnp.sum(tokens >= 0, axis=1)  # -1 after a row finished on the device
-            last = jnp.take_along_axis(tokens, jnp.maximum(taken - 1, 0)[:, None], 1)[:, 0]
-            return jnp.zeros(self.prev_slots, jnp.int32).at[:kept].set(last[:kept])
         penalties = inputs.history.shape[1] > 0
         seen, counts = (token_counts(inputs.history, inputs.num_prompt, vocab) if penalties
                         else (None, None))
         num_top = MAX_LOGPROBS if with_logprobs else 1
         rows = jnp.arange(S)
 
-        def forward(kv_cache, token_ids, positions, md, steps, seen, counts):
+        def forward(kv_cache, token_ids, positions, md, steps, seen, counts, draw=True):
             hidden, kv_cache = model(token_ids, positions, kv_cache, md)
             logits = model.logits(hidden[inputs.logits_indices])
             t = dataclasses.replace(inputs.sampling, steps=steps)
-            tokens = sample(logits, t, seen, counts, skip_draw=self._skip_draw)
+            tokens = (sample(logits, t, seen, counts, skip_draw=self._skip_draw) if draw
+                      else greedy_tokens(logits, t, seen, counts))
             if with_logprobs:
                 lp = logprobs_of(logits, tokens, num_top)
             else:
                 lp = (jnp.zeros(S), jnp.zeros((S, 1), jnp.int32), jnp.zeros((S, 1)))
-            return tokens, lp, kv_cache
+            return tokens, lp, kv_cache, logits
 
         if num_steps == 1:
-            tokens, lp, kv_cache = forward(kv_cache, inputs.token_ids, inputs.positions,
-                                           inputs.md, inputs.sampling.steps, seen, counts)
+            # The greedy tokens: a batch that samples runs the draw after this program
+            # (`_run`), so a greedy one never pays the vocabulary sort.
+            tokens, lp, kv_cache, logits = forward(
+                kv_cache, inputs.token_ids, inputs.positions, inputs.md, inputs.sampling.steps,
+                seen, counts, draw=False)
             return ((tokens[:, None], lp[0][:, None], lp[1][:, None], lp[2][:, None],
-                     last_tokens(tokens[:, None])), kv_cache)
+                     last_tokens(tokens[:, None], S, self.prev_slots), logits), kv_cache)
 
         # A decode-only batch (token s is sequence s's): all num_steps steps run in one while
         # loop (the first is not peeled off ahead of it), so the program holds one copy of
@@ -314,8 +342,8 @@ class ModelRunner:
                 page_indices=jnp.where(done[:, None], self.scratch_page, state.md.page_indices))
             positions = state.positions.at[:S].add(step)
             token_ids = inputs.token_ids.at[:S].set(state.last)
-            tokens, lp, kv_cache = forward(state.kv_cache, token_ids, positions, md, state.steps,
-                                           seen, counts)
+            tokens, lp, kv_cache, _ = forward(state.kv_cache, token_ids, positions, md,
+                                              state.steps, seen, counts)
             tokens = jnp.where(done, -1, tokens)
             out_tokens = state.out_tokens.at[:, i].set(tokens)
             out_lp = state.out_lp.at[:, i].set(lp[0])
@@ -330,7 +358,22 @@ class ModelRunner:
 
         state = jax.lax.while_loop(cond, body, state)
         return ((state.out_tokens, state.out_lp, state.out_top_ids, state.out_top_lp,
-                 last_tokens(state.out_tokens)), state.kv_cache)
+                 last_tokens(state.out_tokens, S, self.prev_slots)), state.kv_cache)
+
+    def _draw(self, logits, sampling: SamplingTensors, history, num_prompt, *,
+              with_logprobs: bool):
+        """The draw of a one-step batch that samples (`sample`), from the step's logits
+        [S, V] f32: its tokens, logprobs and last tokens as the step returns them."""
+        S, vocab = logits.shape
+        seen, counts = ((None, None) if history.shape[1] == 0
+                        else token_counts(history, num_prompt, vocab))
+        tokens = sample(logits, sampling, seen, counts, skip_draw=False)
+        if with_logprobs:
+            lp = logprobs_of(logits, tokens, MAX_LOGPROBS)
+        else:
+            lp = (jnp.zeros(S), jnp.zeros((S, 1), jnp.int32), jnp.zeros((S, 1)))
+        return (tokens[:, None], lp[0][:, None], lp[1][:, None], lp[2][:, None],
+                last_tokens(tokens[:, None], S, self.prev_slots))
 
     def step_shape(self, chunks: list[SeqChunk], num_steps: int = 1,
                    with_logprobs: bool = False, kind: str = "sample") -> StepShape:
@@ -369,8 +412,9 @@ class ModelRunner:
                       decode_steps: int, max_len: int) -> list[StepShape]:
         """The programs a server compiles before it is ready: a batch of each token bucket
         up to max_num_batched_tokens, at each page bucket up to max_len tokens of context,
-        and (decode_steps > 1) the multi-step decode batches of each sequence bucket. Built
-        with `step_shape`, so they are the shapes those batches will ask for. Batches with
+        and (decode_steps > 1) the multi-step decode batches of each sequence bucket, and
+        the draw of each one-step batch's sequence slots. Built with `step_shape`, so they
+        are the shapes those batches will ask for. Batches with
         logprobs or penalties compile on first use; a batch's next page bucket compiles in
         the background (`launch`)."""
         ps = self.page_size
@@ -394,6 +438,9 @@ class ModelRunner:
                         chunks = [SeqChunk(new_tokens=[0], num_cached=context, pages=[],
                                            remaining=decode_steps)] * t
                         shapes.add(self.step_shape(chunks, decode_steps))
+        # The draw of each one-step batch's sequence slots, for batches that sample (`_run`).
+        shapes |= {StepShape("draw", s.num_seqs, s.num_seqs, 0) for s in list(shapes)
+                   if s.kind == "sample" and s.num_steps == 1}
         return sorted(shapes)
 
     def empty_inputs(self, shape: StepShape) -> StepInputs:
@@ -465,7 +512,9 @@ class ModelRunner:
     def run_empty(self, shape: StepShape):
         """Runs shape's program on a batch of no sequence (warm-up of a multi-host job,
         whose followers compile a program when they first run it). Writes nothing: padding
-        rows write the scratch page."""
+        rows write the scratch page. A draw (`_run`) compiles when a batch first samples."""
+        if shape.kind == "draw":
+            return
         inputs = self.empty_inputs(shape)
         multihost.lead(multihost.SAMPLE if shape.kind == "sample" else multihost.LOGITS,
                        inputs, shape.num_steps, shape.with_logprobs)
@@ -499,6 +548,13 @@ class ModelRunner:
                                                        self._prev_aval.sharding)
                 args.append(self._prev_tokens)
             out, self.kv_cache = self.steps.run(shape, *args)
+            if kind == "sample" and num_steps == 1:
+                logits, out = out[5], out[:5]
+                if np.any(inputs.sampling.temperature > 0):  # the host knows: no conditional
+                    s = inputs.sampling.temperature.shape[0]
+                    draw = StepShape("draw", s, s, 0, shape.history, 1, with_logprobs)
+                    out = self.steps.run(draw, logits, *multihost.to_global(
+                        (inputs.sampling, inputs.history, inputs.num_prompt), self.mesh))
             if kind == "sample":
                 self._prev_tokens = out[4]
         return out

@@ -88,9 +88,11 @@ def sample(logits, t: SamplingTensors, seen=None, output_counts=None,
     highest (0 = all), then the smallest set whose probability reaches top_p, then
     the tokens with probability >= min_p * the highest, and draw from what is left.
     skip_draw: a batch with no sampled row skips the vocabulary sort, through a
-    conditional; on GPUs XLA reads a conditional's predicate back to the host, which
-    makes the step's launch wait for the whole forward pass before it, so there the
-    runner draws every batch (bench/NOTES.md, Serving engine decode loop).
+    conditional. On GPUs XLA reads a conditional's predicate back to the host, which makes
+    a step's launch wait for the whole forward pass before it; so the runner's one-step
+    programs take `greedy_tokens` and run this in a program of its own only for batches
+    that sample, and its multi-step decode loop draws every step there (bench/NOTES.md,
+    Serving engine decode loop).
     """
     if seen is not None:
         logits = apply_penalties(logits, t, seen, output_counts)
@@ -100,6 +102,14 @@ def sample(logits, t: SamplingTensors, seen=None, output_counts=None,
     else:
         drawn = _draw(logits, t)
     return jnp.where(t.temperature > 0, drawn, greedy)
+
+
+def greedy_tokens(logits, t: SamplingTensors, seen=None, output_counts=None):
+    """What `sample` gives a batch whose rows all have temperature 0: the argmax of the
+    logits, after the penalties (seen / output_counts) where given."""
+    if seen is not None:
+        logits = apply_penalties(logits, t, seen, output_counts)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def _draw(logits, t: SamplingTensors):
