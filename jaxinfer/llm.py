@@ -116,7 +116,7 @@ class LLM:
     max_model_len defaults to the model's context, capped by what a given kv_cache_bytes
     holds; decode_steps > 1 runs that many decode steps per host round trip when every
     running request is decoding. max_num_seqs, max_num_batched_tokens and decode_steps
-    default to the platform's `jaxinfer.engine.defaults` (256 sequences and 8192 tokens a
+    default to the platform's `jaxinfer.engine.defaults` (256 sequences and 2048 tokens a
     step on GPUs and TPUs).
     """
 

@@ -266,7 +266,9 @@ class ModelRunner:
         sequence) in a while loop that exits once every sequence has finished. prev_tokens
         [prev_slots] int32: the previous sample step's last token per row, taken where
         inputs.prev_rows says. Returns ((tokens [S, N], logprobs [S, N], top ids and
-        logprobs [S, N, K], each row's last token [prev_slots]), the KV cache)."""
+        logprobs [S, N, K], each row's last token [prev_slots]), the KV cache); one step
+        (N = 1) takes the greedy tokens and also returns its logits [S, V] f32, which
+        `_draw` samples from when a row of the batch samples (`_run`)."""
         model = self._model(state_leaves)
         vocab, S = self.config.vocab_size, inputs.logits_indices.shape[0]
         from_prev = inputs.prev_rows >= 0

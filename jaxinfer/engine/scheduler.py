@@ -18,10 +18,11 @@ same). The oldest request is never preempted for a newer one, so none starves.
 With `decode_steps` N > 1, a batch that is all decodes (nothing waiting or
 prefilling) runs up to N decode steps on the device in one call (`num_decode_steps`).
 
-`schedule(ahead=...)` plans a step while the one before it still runs (the engine's
+`schedule(ahead=True)` plans a step while the one before it still runs (the engine's
 overlap): each request that samples in the running step holds PENDING_TOKEN as its last
-id until the step's tokens are read back, which nothing hashes or sends anywhere; that
-step's last tokens are skipped, and nothing is preempted.
+id until the step's tokens are read back (nothing hashes it or sends it anywhere); the
+requests for which that token is the last allowed are not planned again, and nothing is
+preempted.
 """
 
 from __future__ import annotations
