@@ -96,7 +96,7 @@ def sample(logits, t: SamplingTensors, seen=None, output_counts=None,
     """
     if seen is not None:
         logits = apply_penalties(logits, t, seen, output_counts)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits, t)
     if skip_draw:
         drawn = jax.lax.cond(jnp.any(t.temperature > 0), _draw, lambda *_: greedy, logits, t)
     else:
