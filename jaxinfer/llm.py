@@ -142,7 +142,7 @@ class LLM:
         is planned.
         `batch_invariant`: each request's tokens and logprobs are bitwise the same whatever
         shares its batch (`jaxinfer.ops.registry.batch_invariant_mode`; slower: every
-        product runs in blocks of fixed rows); dense models on the CPU so far."""
+        product runs in blocks of fixed rows); dense models on CPUs and GPUs so far."""
         if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
             raise JaxinferError(f"page_size {page_size}: a power of two up to {MAX_PAGE_SIZE} "
                                 "required (the attention kernels' KV blocks hold whole pages)")
@@ -228,9 +228,9 @@ class LLM:
         model = self._abstract_model or self.model  # its shapes decide what follows
         self.config = c = model.config
         if batch_invariant:
-            if meshes[0].devices.flat[0].platform != "cpu":
-                raise JaxinferError("batch_invariant: supported on the CPU so far (the GPU "
-                                    "and TPU kernels are not batch-invariant yet)")
+            if meshes[0].devices.flat[0].platform == "tpu":
+                raise JaxinferError("batch_invariant: CPUs and GPUs only so far (the TPU "
+                                    "kernels are not batch-invariant yet)")
             if c.is_moe:
                 raise JaxinferError("batch_invariant: dense models only so far (an MoE "
                                     "layer's grouped products depend on the batch)")

@@ -96,6 +96,18 @@ def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: in
                   tile_rows=tile_rows)
 
 
+def batch_invariant_config(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
+    """`cfg` made to give a query row the same bits in every step: a row's numbers depend
+    on the KV block size (the online softmax rescales once a block) and on the splits
+    (their merge), not on the tile it shares with other rows (each row is its own wgmma
+    row, its own softmax). So no splits, and the block size of the prefill configuration
+    after its shared-memory fit, which also fits every decode configuration (one consumer
+    warpgroup needs less)."""
+    prefill = _fit_stages(Config(block_kv=128 if head_dim <= 128 else 64, num_stages=2,
+                                 compute_wgs=2), head_dim, q_dtype, kv_dtype)
+    return dataclasses.replace(cfg, num_splits=1, block_kv=prefill.block_kv)
+
+
 SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit
 
 
@@ -527,14 +539,17 @@ def ragged_paged_attention_mgpu(
     q, k, v, k_pages, v_pages, md: AttentionMetadata, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
-    config: Config | None = None,
+    config: Config | None = None, batch_invariant: bool = False,
 ):
-    """Writes k/v into the pages and attends with the Mosaic GPU kernel (see module doc)."""
+    """Writes k/v into the pages and attends with the Mosaic GPU kernel (see module doc).
+    batch_invariant: a token's output has the same bits whatever the step holds beside it
+    (`batch_invariant_config`)."""
     k_pages, v_pages = write_kv_pages(k, v, k_pages, v_pages, md, k_scale=k_scale,
                                       v_scale=v_scale)
     out = attend_pages_mgpu(q, k_pages, v_pages, md, sm_scale=sm_scale,
                             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
-                            k_scale=k_scale, v_scale=v_scale, config=config)
+                            k_scale=k_scale, v_scale=v_scale, config=config,
+                            batch_invariant=batch_invariant)
     return out, k_pages, v_pages
 
 
@@ -542,12 +557,13 @@ def ragged_paged_attention_mgpu(
 # share one trace and one lowering of the kernel (lowering it once per layer made a
 # 32-layer step take about a minute to compile).
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "k_scale", "v_scale", "config"))
+                                             "k_scale", "v_scale", "config",
+                                             "batch_invariant"))
 def attend_pages_mgpu(
     q, k_pages, v_pages, md: AttentionMetadata, *,
     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     sinks: jax.Array | None = None, k_scale: float | None = None, v_scale: float | None = None,
-    config: Config | None = None,
+    config: Config | None = None, batch_invariant: bool = False,
 ):
     """The attention half: pages that already hold this step's k/v -> out [T, Hq, D]."""
     T, Hq, D = q.shape
@@ -561,6 +577,8 @@ def attend_pages_mgpu(
     # queries and P run in f16 too: exact for e4m3 and P, and q's range fits f16.
     compute_dtype = jnp.float16 if fp8 else q.dtype
     cfg = config or choose_config(T, S, Hkv, P * page_size, D, G)
+    if batch_invariant:
+        cfg = batch_invariant_config(cfg, D, q.dtype, k_pages.dtype)
     if cfg.tile_rows % 8 or not G <= cfg.tile_rows <= ROWS:
         raise ValueError(f"mosaic attention: tile_rows {cfg.tile_rows}: a multiple of 8 "
                          f"in [{G}, {ROWS}] required")

@@ -677,3 +677,18 @@ def test_mosaic_fp8_prefill_config_fits_shared_memory():
                              "gpu" if jax.default_backend() == "gpu" else "cpu")
     finally:
         mosaic.choose_config = orig
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_mosaic_batch_invariant_config_is_one_for_every_step(kv_dtype):
+    """Batch-invariant mode: decode-like (split-KV) and prefill-heavy steps get the same KV
+    block and no splits, a block that fits shared memory in both; without the mode they
+    differ (else the check could not fail)."""
+    steps = [(8, 256, 8192), (256, 256, 8192), (2048, 256, 8192), (1, 1, 65536)]
+    chosen = [mosaic.choose_config(t, s, 8, ctx, 128, 4) for t, s, ctx in steps]
+    fitted = [mosaic._fit_stages(c, 128, jnp.bfloat16, kv_dtype) for c in chosen]
+    assert len({(c.block_kv, c.num_splits) for c in fitted}) > 1
+    fixed = [mosaic._fit_stages(mosaic.batch_invariant_config(c, 128, jnp.bfloat16, kv_dtype),
+                                128, jnp.bfloat16, kv_dtype) for c in chosen]
+    assert len({(c.block_kv, c.num_splits) for c in fixed}) == 1
+    assert fixed[0].num_splits == 1

@@ -1,6 +1,7 @@
 """Batch-invariant mode (`LLM(batch_invariant=True)`, `jaxinfer.ops.registry`): a request's
-tokens and logprobs are bitwise the same whatever shares its batch, in bf16 on the CPU,
-with prefix-cache hits and preemption in the mix; without the mode they are not."""
+tokens and logprobs are bitwise the same whatever shares its batch, in bf16 on the CPU and
+(`pytest -m gpu`) on Hopper, greedy or seeded sampling, with prefix-cache hits and
+preemption in the mix; without the mode they are not."""
 
 import dataclasses
 
@@ -10,11 +11,21 @@ import pytest
 
 from jaxinfer import LLM, JaxinferError, SamplingParams
 from jaxinfer.loading.presets import preset_config, random_model
+from jaxinfer.ops.attention import AttentionCall, AttentionMetadata
+from jaxinfer.ops.attention_registry import REGISTRY as ATTENTION
 from jaxinfer.ops.linear import LinearCall
 from jaxinfer.ops.linear_registry import REGISTRY as LINEAR
 from jaxinfer.ops.registry import batch_invariant_mode
 
-PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _params(i: int) -> SamplingParams:
+    """Greedy for even prompts; odd ones sample (top-p), seeded per prompt."""
+    if i % 2 == 0:
+        return GREEDY
+    return SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True,
+                          logprobs=2)
 
 
 def _prompts(rng) -> list[list[int]]:
@@ -30,16 +41,18 @@ def _outputs(outs) -> list:
     return [(o.token_ids, [(x.logprob, x.top) for x in o.logprobs]) for o in outs]
 
 
-def _together_and_alone(batch_invariant: bool):
-    config = dataclasses.replace(preset_config("tiny"), max_position_embeddings=256)
+def _together_and_alone(batch_invariant: bool, **config_changes):
+    config = dataclasses.replace(preset_config("tiny"), max_position_embeddings=256,
+                                 **config_changes)
     # 16 pages of 16 tokens: 8 running sequences of up to 80 tokens do not fit: preemption.
     llm = LLM(random_model(config, jnp.bfloat16, seed=5), max_num_seqs=8,
               max_num_batched_tokens=64, kv_cache_bytes=16 * 16 * config.kv_bytes_per_token(2),
               batch_invariant=batch_invariant)
     prompts = _prompts(np.random.default_rng(3))
-    together = _outputs(llm.generate(prompts, PARAMS))
+    params = [_params(i) for i in range(len(prompts))]
+    together = _outputs(llm.generate(prompts, params))
     stats = llm.engine.stats()
-    alone = [_outputs(llm.generate([p], PARAMS))[0] for p in prompts]
+    alone = [_outputs(llm.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
     return together, alone, stats
 
 
@@ -48,6 +61,24 @@ def test_batch_invariant_requests_match_their_solo_runs():
     assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
     mismatched = [i for i, (a, b) in enumerate(zip(together, alone, strict=True)) if a != b]
     assert not mismatched
+
+
+@pytest.mark.gpu
+def test_batch_invariant_on_the_gpu():
+    """On Hopper, with the Mosaic attention kernel (head_dim 64: its smallest) and XLA's
+    GEMMs in blocks of 256 rows."""
+    together, alone, stats = _together_and_alone(batch_invariant=True, head_dim=64)
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    mismatched = [i for i, (a, b) in enumerate(zip(together, alone, strict=True)) if a != b]
+    assert not mismatched
+    pages = jnp.zeros((16, 16, 2, 64), jnp.bfloat16)
+    md = AttentionMetadata(cu_q_lens=jnp.zeros(9, jnp.int32), kv_lens=jnp.zeros(8, jnp.int32),
+                           page_indices=jnp.zeros((8, 4), jnp.int32),
+                           num_seqs=jnp.zeros(1, jnp.int32))
+    call = AttentionCall.describe(jnp.zeros((8, 4, 64), jnp.bfloat16),
+                                  jnp.zeros((8, 2, 64), jnp.bfloat16), pages, md)
+    with batch_invariant_mode():
+        assert ATTENTION.pick(call).name == "mosaic_gpu_fixed"
 
 
 def test_without_the_mode_a_batch_changes_the_numbers():

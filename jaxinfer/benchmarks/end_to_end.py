@@ -54,8 +54,7 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
     runs = [run() for _ in range(repeats)]
     ttft, itl = (statistics.median(x) for x in zip(*runs, strict=True))
     w_bytes = step_reads(llm.model).step_bytes(batch)  # a decode step of `batch` tokens
-    itemsize = llm.model.embed.embedding.dtype.itemsize
-    kv_token = c.kv_bytes_per_token(itemsize)
+    kv_token = c.kv_bytes_per_token(kv_itemsize(llm))
     mid_ctx = input_len + output_len // 2
     step_bytes = w_bytes + batch * mid_ctx * kv_token
     attn_flops = 4 * batch * mid_ctx * c.num_heads * c.head_dim * c.num_layers
@@ -72,6 +71,11 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
     return summary, rows
 
 
+def kv_itemsize(llm) -> int:
+    """Bytes of one K or V element in llm's cache pages (1 with an fp8 cache)."""
+    return llm.runner.kv_avals[0][0].dtype.itemsize
+
+
 def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
                      ceilings: Ceilings, seed: int = 0) -> tuple[dict, list[dict]]:
     """Offline: num_requests prompts, lengths uniform in [input_len/2, input_len], all at once.
@@ -86,8 +90,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     c, engine = llm.config, llm.engine
     lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    itemsize = llm.model.embed.embedding.dtype.itemsize
-    kv_token = c.kv_bytes_per_token(itemsize)
+    kv_token = c.kv_bytes_per_token(kv_itemsize(llm))
     reads = step_reads(llm.model)
     # Read once per device iteration (MoE: ~the experts a step of every request hits) ...
     w_bytes = reads.streamed_bytes(num_requests)

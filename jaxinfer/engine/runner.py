@@ -33,7 +33,11 @@ from jaxinfer.engine.sampling import (
 from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
-from jaxinfer.ops.registry import batch_invariant_mode, import_platform_kernels
+from jaxinfer.ops.registry import (
+    batch_invariant_mode,
+    import_platform_kernels,
+    invariant_compiler_options,
+)
 from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 
 # The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page
@@ -166,9 +170,12 @@ class ModelRunner:
         self.kv_avals = [(aval, aval) for _ in range(pools)]
         self._kv_cache = None
         # Outputs replicated, so every process (multi-host) can read them.
+        options = step_compiler_options(self.mesh)
+        if batch_invariant:
+            options |= invariant_compiler_options(self.mesh.devices.flat[0].platform)
         jit = dict(donate_argnums=(0,), out_shardings=(NamedSharding(self.mesh, P()),
                                                        kv_sharding),
-                   compiler_options=step_compiler_options(self.mesh))
+                   compiler_options=options)
         self._sample_step = jax.jit(self._sample, static_argnames=("num_steps", "with_logprobs"),
                                     **jit)
         # The last sampled token of each row of the latest sample step, which the next step
@@ -179,7 +186,7 @@ class ModelRunner:
                                                sharding=replicated)
         self._prev_tokens = None
         self._draw_step = jax.jit(self._draw, static_argnames=("with_logprobs",),
-                                  out_shardings=replicated)
+                                  out_shardings=replicated, compiler_options=options)
         self._logits_step = jax.jit(self._logits, **jit)
         identity = repr((c, self.eos_token_ids, page_size, num_pages, jit["compiler_options"],
                          batch_invariant,

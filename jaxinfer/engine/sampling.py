@@ -134,8 +134,12 @@ def _draw(logits, t: SamplingTensors):
 
 
 def logprobs_of(logits, tokens, num_top: int):
-    """Raw-model logprobs: (of tokens [S] f32, top ids [S, num_top] int32, top logprobs)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, num_top)
-    return chosen, top_ids.astype(jnp.int32), top_lp
+    """Raw-model logprobs: (of tokens [S] f32, top ids [S, num_top] int32, top logprobs).
+    A logit minus its row's log-sum-exp, for the logits kept only: XLA's fused log_softmax
+    gave a row other bits with the number of rows on an H100, its log-sum-exp did not
+    (bench/NOTES.md, Batch invariance)."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1) - lse
+    top_logits, top_ids = jax.lax.top_k(logits, num_top)
+    return chosen[:, 0], top_ids.astype(jnp.int32), top_logits - lse

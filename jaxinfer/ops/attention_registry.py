@@ -14,8 +14,11 @@ implementation that supports it, runs the neighbouring work the implementation d
                context): everything else (the CPU, other GPUs, float32 models)
   reference    the pure-JAX spec, dense over every sequence slot (T x S x context scores:
                tests and `implementation="reference"` only)
-  by_sequence_fixed_rows  batch-invariant mode: `by_sequence` with row blocks of one size in
-               every program, so a token's products have one shape whatever its batch
+  mosaic_gpu_fixed  batch-invariant mode on Hopper: the Mosaic GPU kernel with one KV block
+               size and no KV splits in every step (`batch_invariant_config`)
+  by_sequence_fixed_rows  batch-invariant mode elsewhere: `by_sequence` with row blocks of
+               one size in every program, so a token's products have one shape whatever
+               its batch
 
 The kernels' own `unsupported_reason` says what inputs a kernel can take (dtypes, head_dim,
 page_size); the predicates here add the platform and the size rules. `implementation="name"`
@@ -104,6 +107,8 @@ REGISTRY = Registry("ragged_paged_attention", [
     Implementation("pallas_tpu", _pallas_tpu, lambda call: needs("tpu")),
     Implementation("by_sequence", ragged_paged_attention_by_sequence, lambda call: None),
     Implementation("reference", ragged_paged_attention_reference, lambda call: None),
+    Implementation("mosaic_gpu_fixed", functools.partial(_mosaic_gpu, batch_invariant=True),
+                   _mosaic_gpu_supports, batch_invariant=True),
     Implementation("by_sequence_fixed_rows",
                    functools.partial(ragged_paged_attention_by_sequence, fixed_rows=True),
                    lambda call: None, batch_invariant=True),

@@ -11,10 +11,10 @@ epilogue (`linear_epilogue`).
   one_row_reduce  XLA, float weights: one row (batch-1 decode) with K >= ONE_ROW_REDUCE_MIN_K
                   as a multiply and a row reduction, on every platform
   reference       XLA: one dot for float weights, dequantise + dot for quantized ones
-  fixed_rows      batch-invariant mode: the reference over blocks of INVARIANT_ROWS rows
-                  (`by_row_blocks`), so each dot has the same shape whatever the number of
-                  rows (XLA:CPU's dot reduces a row in another order for one row,
-                  2-32 and 64 rows: bench/history/issue-33-serving.md)
+  fixed_rows      batch-invariant mode: the reference over blocks of `invariant_rows()`
+                  rows (`by_row_blocks`), so each dot has the same shape whatever the
+                  number of rows (XLA picks a dot's algorithm by its M: registry.py,
+                  INVARIANT_ROWS)
 
 The kernels' own `unsupported_reason` says what inputs a kernel can take (formats, dtypes,
 tiling); the predicates here add the platform and the size rules. `implementation="name"`
@@ -101,7 +101,7 @@ def _kernel(name: str, kernel: KernelModule, matmul: str):
 
 
 def fixed_rows(x, weight: Weight, bias=None, row_scale=None):
-    """`linear_reference` on INVARIANT_ROWS rows at a time (`by_row_blocks`)."""
+    """`linear_reference` on `invariant_rows()` rows at a time (`by_row_blocks`)."""
     if row_scale is None:
         return by_row_blocks(lambda b: linear_reference(b, weight, bias), x)
     return by_row_blocks(lambda b, s: linear_reference(b, weight, bias, s), x, row_scale)

@@ -145,23 +145,57 @@ def batch_invariant() -> bool:
     return _BATCH_INVARIANT.get()
 
 
-# Rows per block of a batch-invariant computation (`by_row_blocks`).
-INVARIANT_ROWS = 16
+# Rows per block of a batch-invariant computation (`by_row_blocks`), by platform. XLA picks
+# a dot's algorithm by its shape: XLA:CPU reduces a row in another order for one row, 2-32
+# and 64 rows; on an H100, XLA's GEMMs for 8B-model projections gave a row other bits from
+# 128 or 256 rows on, autotuned or not (a tile or split-K chosen by M), while blocks of 256
+# rows (cuBLAS, untuned: `invariant_compiler_options`) gave the same bits at 8 to 2048
+# rows (bench/NOTES.md, Batch invariance). Small blocks on the CPU keep its loops
+# cheap; on accelerators a decode batch of up to 256 sequences is one block.
+INVARIANT_ROWS = {"cpu": 16}
+INVARIANT_ROWS_ACCELERATOR = 256
+
+
+def invariant_rows() -> int:
+    """Rows per block of a batch-invariant computation on this platform."""
+    from jaxinfer.ops.platform import platform
+
+    return INVARIANT_ROWS.get(platform(), INVARIANT_ROWS_ACCELERATOR)
+
+
+def invariant_compiler_options(platform: str) -> dict[str, int | bool]:
+    """XLA options for a batch-invariant step. Everywhere: every bf16 operation rounds to
+    bf16 (no excess precision), as XLA otherwise keeps some intermediates in float32
+    depending on how it fused them, which differs between programs. On GPUs also cuBLAS
+    for every GEMM, with its heuristic's algorithm for the shape (no autotuning): the
+    autotuner's timing-based choice could differ between two programs' (or two processes')
+    blocks of the same shape, and XLA's untuned Triton GEMM fusions ran 10x slower than
+    cuBLAS (bench/NOTES.md, Batch invariance)."""
+    options: dict[str, int | bool] = {"xla_allow_excess_precision": False}
+    if platform == "gpu":
+        options |= {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+    return options
 
 
 def by_row_blocks(fn, *arrays):
-    """fn over blocks of INVARIANT_ROWS rows, one block after another (a loop: XLA cannot
+    """fn over blocks of `invariant_rows()` rows, one block after another (a loop: XLA cannot
     merge the blocks back into one computation), the last one padded with zeros: each
     row's result then comes from the same code, of the same shapes, whatever the number of
     rows. arrays: [..., F_i] with the same leading dimensions (the rows); fn takes blocks
-    [INVARIANT_ROWS, F_i] and returns [INVARIANT_ROWS, N] -> [..., N]."""
+    [R, F_i] and returns [R, N] -> [..., N]."""
+    block = invariant_rows()
     lead = arrays[0].shape[:-1]
     flat = [a.reshape(-1, a.shape[-1]) for a in arrays]
     m = flat[0].shape[0]
-    pad = -m % INVARIANT_ROWS
-    blocks = [jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, INVARIANT_ROWS, a.shape[-1])
-              for a in flat]
-    out = jax.lax.map(lambda b: fn(*b), blocks)
+    pad = -m % block
+    blocks = [jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, block, a.shape[-1]) for a in flat]
+    # Barriers around each block's work: XLA drops a loop of one trip, after which the
+    # block's work could fuse with its neighbours (and compile to other code) in a program of
+    # one block but not in one of several; on an H100 a decode token of the 8B shape then
+    # came out otherwise in a step of 2048 tokens than alone (bench/NOTES.md, Batch
+    # invariance).
+    barrier = jax.lax.optimization_barrier
+    out = jax.lax.map(lambda b: barrier(fn(*barrier(b))), blocks)
     return out.reshape(-1, out.shape[-1])[:m].reshape(*lead, out.shape[-1])
 
 
