@@ -25,7 +25,7 @@ kv_cache_dtype_option = click.option(
 batch_invariant_option = click.option(
     "--batch-invariant", is_flag=True,
     help="Each request's tokens and logprobs bitwise the same whatever shares its batch "
-         "(slower; dense models on CPUs and GPUs so far).")
+         "(slower; CPUs, and GPUs for dense models, so far).")
 
 scan_layers_option = click.option(
     "--scan-layers/--no-scan-layers", default=None,

@@ -142,7 +142,7 @@ class LLM:
         is planned.
         `batch_invariant`: each request's tokens and logprobs are bitwise the same whatever
         shares its batch (`jaxinfer.ops.registry.batch_invariant_mode`; slower: every
-        product runs in blocks of fixed rows); dense models on CPUs and GPUs so far."""
+        product runs in blocks of fixed rows); CPUs, and GPUs for dense models, so far."""
         if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
             raise JaxinferError(f"page_size {page_size}: a power of two up to {MAX_PAGE_SIZE} "
                                 "required (the attention kernels' KV blocks hold whole pages)")
@@ -231,9 +231,9 @@ class LLM:
             if meshes[0].devices.flat[0].platform == "tpu":
                 raise JaxinferError("batch_invariant: CPUs and GPUs only so far (the TPU "
                                     "kernels are not batch-invariant yet)")
-            if c.is_moe:
-                raise JaxinferError("batch_invariant: dense models only so far (an MoE "
-                                    "layer's grouped products depend on the batch)")
+            if c.is_moe and meshes[0].devices.flat[0].platform != "cpu":
+                raise JaxinferError("batch_invariant: MoE models on the CPU only so far (the "
+                                    "GPU's grouped products in fixed blocks are not measured)")
             if decode_steps > 1:
                 raise JaxinferError(f"batch_invariant: decode_steps {decode_steps}: 1 only "
                                     "so far (a multi-step decode has a row per sequence slot, "
@@ -268,10 +268,9 @@ class LLM:
             runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,
                                  replica_mesh, max_num_seqs, kv_dtype, self._weights,
                                  batch_invariant)
-            # The next step planned while one runs: one replica on one process (the
-            # replicas' steps already run side by side; a multi-host job's followers would
-            # follow, but it is not tried yet).
-            overlap = len(meshes) == 1 and not multihost.is_multiprocess()
+            # The next step planned while one runs, on one process (a multi-host job's
+            # followers would follow, but it is not tried yet).
+            overlap = not multihost.is_multiprocess()
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
                                   max_num_batched_tokens, self.tokenizer, decode_steps,
                                   overlap=overlap))

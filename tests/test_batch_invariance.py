@@ -13,6 +13,9 @@ from jaxinfer import LLM, JaxinferError, SamplingParams
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.ops.attention import AttentionCall, AttentionMetadata
 from jaxinfer.ops.attention_registry import REGISTRY as ATTENTION
+from jaxinfer.ops.grouped_matmul import GroupedMatmulCall
+from jaxinfer.ops.grouped_matmul_registry import REGISTRY as GROUPED
+from jaxinfer.ops.grouped_matmul_registry import row_group_ids
 from jaxinfer.ops.linear import LinearCall
 from jaxinfer.ops.linear_registry import REGISTRY as LINEAR
 from jaxinfer.ops.registry import batch_invariant_mode
@@ -41,8 +44,8 @@ def _outputs(outs) -> list:
     return [(o.token_ids, [(x.logprob, x.top) for x in o.logprobs]) for o in outs]
 
 
-def _together_and_alone(batch_invariant: bool, **config_changes):
-    config = dataclasses.replace(preset_config("tiny"), max_position_embeddings=256,
+def _together_and_alone(batch_invariant: bool, preset: str = "tiny", **config_changes):
+    config = dataclasses.replace(preset_config(preset), max_position_embeddings=256,
                                  **config_changes)
     # 16 pages of 16 tokens: 8 running sequences of up to 80 tokens do not fit: preemption.
     llm = LLM(random_model(config, jnp.bfloat16, seed=5), max_num_seqs=8,
@@ -95,12 +98,30 @@ def test_the_mode_picks_batch_invariant_implementations_only():
     with batch_invariant_mode():
         assert LINEAR.pick(call).name == "fixed_rows"
     assert LINEAR.pick(call).name == "reference"
+    experts = jnp.ones((4, 32, 64), jnp.bfloat16)
+    grouped = GroupedMatmulCall.describe(x, experts)
+    with batch_invariant_mode():
+        assert GROUPED.pick(grouped).name == "rows_fixed_blocks"
+    assert GROUPED.pick(grouped).name == "reference"
+
+
+def test_row_group_ids_follow_the_group_sizes():
+    sizes = jnp.array([2, 0, 3, 1], jnp.int32)
+    assert row_group_ids(sizes, 8).tolist() == [0, 0, 2, 2, 2, 3, 4, 4]
+
+
+def test_moe_requests_match_their_solo_runs():
+    """An MoE model (Qwen3-MoE's tiny preset): the grouped products in fixed row blocks,
+    each row against its own expert, and the combine over k in fixed blocks; the control
+    without the mode differs."""
+    together, alone, stats = _together_and_alone(True, preset="tiny-moe")
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert [i for i, (a, b) in enumerate(zip(together, alone, strict=True)) if a != b] == []
+    together, alone, _ = _together_and_alone(False, preset="tiny-moe")
+    assert any(a != b for a, b in zip(together, alone, strict=True))
 
 
 def test_what_the_mode_does_not_take_is_a_one_line_error():
-    model = random_model(preset_config("tiny-moe"), jnp.float32)
-    with pytest.raises(JaxinferError, match="batch_invariant: dense models only"):
-        LLM(model, batch_invariant=True)
     model = random_model(preset_config("tiny"), jnp.float32)
     with pytest.raises(JaxinferError, match="batch_invariant: decode_steps 4: 1 only"):
         LLM(model, batch_invariant=True, decode_steps=4)

@@ -202,6 +202,20 @@ def test_overlapped_steps_give_the_solo_outputs(num_pages):
     assert (stats.num_waiting, stats.num_running) == (0, 0)
 
 
+def test_overlapped_replicas_give_the_solo_outputs():
+    """Data parallelism with overlap: each replica plans and launches its next batch while
+    its current one runs (`Engine.begin`), before any replica's batch is collected; on a
+    small pool (requests wait for pages) every output is its solo output, and every page
+    comes back."""
+    prompts, params = _host_workload(1)
+    want = _solo(prompts, params)
+    engines = [_host_engine(12, overlap=True) for _ in range(2)]
+    assert _run_host(ReplicatedEngine(engines), prompts, params) == want
+    assert all(e.runner.num_pending > 0 for e in engines)  # both planned ahead
+    for e in engines:
+        assert e.scheduler.pool.num_free == 12 and not any(e.scheduler.pool.ref)
+
+
 @pytest.mark.parametrize("decode_steps", [1, 3])
 def test_scheduler_batches_decodes_first_in_budget_and_preempts_the_newest(decode_steps):
     """On a pool far too small (9 pages of 4 tokens for 8 requests of up to 8 pages): every

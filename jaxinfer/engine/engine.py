@@ -207,12 +207,18 @@ class Engine(EngineInterface):
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
+        return self.finish(self.begin())
+
+    def begin(self) -> Launched | None:
+        """The first half of `step`: dispatches this step's batch (already dispatched where
+        the previous step planned it ahead) and, with `overlap`, plans and dispatches the next
+        one behind it; returns this step's batch for `finish`."""
         current, self._ahead = self._ahead, None
         if current is None:
             current = self.launch()
         if current is not None and self.overlap:
             self._ahead = self._launch_ahead(current)
-        return self.finish(current)
+        return current
 
     def launch(self) -> Launched | None:
         """Schedules a batch and dispatches it to the device without waiting (None: nothing
@@ -362,7 +368,7 @@ class ReplicatedEngine(EngineInterface):
         return any(e.has_unfinished() for e in self.engines)
 
     def step(self) -> list[RequestDelta]:
-        launched = [(e, e.launch()) for e in self.engines]
+        launched = [(e, e.begin()) for e in self.engines]
         deltas = [d for e, work in launched for d in e.finish(work)]
         for d in deltas:
             if d.finished:

@@ -87,9 +87,11 @@ def _ranks_top_k_supports(call: TopKCall) -> str | None:
     return None
 
 
+# Every implementation of both ops is `batch_invariant`: they select and lay out, with no
+# arithmetic a row's numbers could take in another order (batch-invariant mode).
 TOP_K = Registry("top_k_experts", [
-    Implementation("ranks", top_k_by_ranks, _ranks_top_k_supports),
-    Implementation("lax_top_k", jax.lax.top_k, lambda call: None),
+    Implementation("ranks", top_k_by_ranks, _ranks_top_k_supports, batch_invariant=True),
+    Implementation("lax_top_k", jax.lax.top_k, lambda call: None, batch_invariant=True),
 ])
 
 
@@ -258,11 +260,12 @@ def _aligned_supports(call: RowsCall) -> str | None:
 
 
 EXPERT_ROWS = Registry("expert_rows", [
-    Implementation("router_order", in_router_order, _router_order_supports),
-    Implementation("ranks", sort_by_ranks, _ranks_supports),
-    Implementation("aligned", align_groups, _aligned_supports),
-    Implementation("sort", sort_by_keys, _keys_reason),
-    Implementation("argsort", sort_by_argsort, lambda call: None),
+    Implementation("router_order", in_router_order, _router_order_supports,
+                   batch_invariant=True),
+    Implementation("ranks", sort_by_ranks, _ranks_supports, batch_invariant=True),
+    Implementation("aligned", align_groups, _aligned_supports, batch_invariant=True),
+    Implementation("sort", sort_by_keys, _keys_reason, batch_invariant=True),
+    Implementation("argsort", sort_by_argsort, lambda call: None, batch_invariant=True),
 ])
 
 

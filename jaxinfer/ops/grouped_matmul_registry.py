@@ -13,6 +13,9 @@ first implementation that supports it, and runs it.
   mosaic_gpu  the Mosaic GPU kernel: Hopper, bf16 / f16 rows, float or quantized experts
   pallas_tpu  the Pallas TPU kernel: TPU (rows out of group order are sorted first)
   reference   dequantise + `jax.lax.ragged_dot`: everything else
+  rows_fixed_blocks  batch-invariant mode: `grouped_matmul_rows` over blocks of
+              `invariant_rows()` rows (`by_row_blocks`), each row against its own group's
+              weights, so a row's products do not depend on what else its group holds
 
 The kernels' own `unsupported_reason` says what inputs a kernel can take, and the Mosaic
 kernel's `upcasts_in_registers` which quantized formats it streams as stored; the predicates
@@ -24,6 +27,7 @@ for inputs they cannot take.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.ops.grouped_matmul import (
     ExpertWeights,
@@ -36,7 +40,7 @@ from jaxinfer.ops.grouped_matmul import (
     swiglu_halves,
 )
 from jaxinfer.ops.platform import needs
-from jaxinfer.ops.registry import Implementation, KernelModule, Registry
+from jaxinfer.ops.registry import Implementation, KernelModule, Registry, by_row_blocks
 
 mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.grouped_matmul", "hopper")
 pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.grouped_matmul", "tpu")
@@ -114,11 +118,30 @@ def _reference(x, w, group_sizes, *, row_groups, swiglu, rows_sorted, groups_ali
                           x, None if rows_sorted else row_groups)
 
 
+def row_group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """Each of num_rows rows' group [M] int32 for rows sorted by group (group_sizes [E]):
+    E for the rows past the last group."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    return jnp.searchsorted(ends, jnp.arange(num_rows, dtype=jnp.int32), side="right"
+                            ).astype(jnp.int32)
+
+
+def _rows_fixed_blocks(x, w, group_sizes, *, row_groups, swiglu, rows_sorted,
+                       groups_aligned):
+    del rows_sorted, groups_aligned  # each row's group says it all
+    group = (row_group_ids(group_sizes, x.shape[0]) if row_groups is None
+             else row_groups.group)
+    return by_row_blocks(lambda xb, gb: grouped_matmul_rows(xb, w, gb[:, 0], swiglu=swiglu),
+                         x, group[:, None])
+
+
 REGISTRY = Registry("grouped_matmul", [
     Implementation("row_reduce", _row_reduce, _row_reduce_supports),
     Implementation("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_supports),
     Implementation("pallas_tpu", _pallas_tpu, _pallas_tpu_supports),
     Implementation("reference", _reference, lambda call: None),
+    Implementation("rows_fixed_blocks", _rows_fixed_blocks, lambda call: None,
+                   batch_invariant=True),
 ])
 
 
