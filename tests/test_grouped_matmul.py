@@ -41,7 +41,7 @@ KERNELS = {"mosaic_gpu": mosaic_gpu_kernel, "pallas_tpu": pallas_tpu_kernel}
 
 
 def test_every_implementation_is_tested():
-    assert set(REGISTRY.names) == {"row_reduce", "reference", *KERNELS}
+    assert set(REGISTRY.names) == {"row_reduce", "reference", "rows_fixed_blocks", *KERNELS}
 
 
 def refusal(implementation: str, x, w) -> str | None:
