@@ -86,14 +86,20 @@ def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: in
     consumer warpgroup and split long contexts over the SMs; prefill-heavy batches use
     two consumer warpgroups sharing each KV block."""
     decode_like = num_tokens <= 2 * max_seqs
-    block_kv = 128 if head_dim <= 128 else 64
     if not decode_like:
-        return Config(block_kv=block_kv, num_stages=2, compute_wgs=2, num_splits=1)
+        return _prefill_config(head_dim)
+    block_kv = _prefill_config(head_dim).block_kv
     tile_rows = min(ROWS, -(-group // 8) * 8)
     ctas = max(1, min(num_tokens, max_seqs)) * num_kv_heads
     splits = max(1, min(-(-2 * NUM_SMS // ctas), max_ctx // (4 * block_kv)))
     return Config(block_kv=block_kv, num_stages=3, compute_wgs=1, num_splits=splits,
                   tile_rows=tile_rows)
+
+
+def _prefill_config(head_dim: int) -> Config:
+    """Prefill-heavy steps: two consumer warpgroups sharing each KV block, no splits."""
+    return Config(block_kv=128 if head_dim <= 128 else 64, num_stages=2, compute_wgs=2,
+                  num_splits=1)
 
 
 def batch_invariant_config(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
@@ -103,8 +109,7 @@ def batch_invariant_config(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Con
     row, its own softmax). So no splits, and the block size of the prefill configuration
     after its shared-memory fit, which also fits every decode configuration (one consumer
     warpgroup needs less)."""
-    prefill = _fit_stages(Config(block_kv=128 if head_dim <= 128 else 64, num_stages=2,
-                                 compute_wgs=2), head_dim, q_dtype, kv_dtype)
+    prefill = _fit_stages(_prefill_config(head_dim), head_dim, q_dtype, kv_dtype)
     return dataclasses.replace(cfg, num_splits=1, block_kv=prefill.block_kv)
 
 

@@ -158,21 +158,22 @@ INVARIANT_ROWS_ACCELERATOR = 256
 
 def invariant_rows() -> int:
     """Rows per block of a batch-invariant computation on this platform."""
-    from jaxinfer.ops.platform import platform
+    from jaxinfer.ops.platform import platform  # at call time, as the registries ask it
 
     return INVARIANT_ROWS.get(platform(), INVARIANT_ROWS_ACCELERATOR)
 
 
-def invariant_compiler_options(platform: str) -> dict[str, int | bool]:
+def invariant_compiler_options(device_platform: str) -> dict[str, int | bool]:
     """XLA options for a batch-invariant step. Everywhere: every bf16 operation rounds to
     bf16 (no excess precision), as XLA otherwise keeps some intermediates in float32
     depending on how it fused them, which differs between programs. On GPUs also cuBLAS
     for every GEMM, with its heuristic's algorithm for the shape (no autotuning): the
     autotuner's timing-based choice could differ between two programs' (or two processes')
     blocks of the same shape, and XLA's untuned Triton GEMM fusions ran 10x slower than
-    cuBLAS (bench/NOTES.md, Batch invariance)."""
+    cuBLAS (bench/NOTES.md, Batch invariance). device_platform: a jax device's ("gpu",
+    "cpu", "tpu")."""
     options: dict[str, int | bool] = {"xla_allow_excess_precision": False}
-    if platform == "gpu":
+    if device_platform == "gpu":
         options |= {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
     return options
 
