@@ -35,7 +35,7 @@ from jaxinfer.models.layers import MLP, Linear, abstract_module
 from jaxinfer.ops.expert_routing import ExpertRows, expert_rows, top_k_experts
 from jaxinfer.ops.grouped_matmul import swiglu_halves
 from jaxinfer.ops.grouped_matmul_registry import grouped_matmul
-from jaxinfer.ops.registry import batch_invariant, by_row_blocks
+from jaxinfer.ops.registry import row_local
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 
@@ -245,11 +245,8 @@ def _run_experts(experts: Experts, x, weights, expert_ids):
     # Combine: each token sums its k rows times their router weights (a gather, which XLA
     # fuses into the residual add).
     token_rows = y_rows[pair_row.reshape(T, k)].astype(jnp.float32)  # [T, k, H]
-    if batch_invariant():
-        # A dot over k whose shape (T) would pick its order: fixed blocks of tokens instead.
-        h = token_rows.shape[-1]
-        out = by_row_blocks(lambda wb, rb: jnp.einsum("tk,tkh->th", wb, rb.reshape(-1, k, h)),
-                            weights, token_rows.reshape(T, k * h))
-    else:
-        out = jnp.einsum("tk,tkh->th", weights, token_rows)
+    # A dot over k, whose order XLA may pick by its shape (T): row local.
+    h = token_rows.shape[-1]
+    out = row_local(lambda wb, rb: jnp.einsum("tk,tkh->th", wb, rb.reshape(-1, k, h)),
+                    weights, token_rows.reshape(T, k * h))
     return reduce_over(("experts", "mlp"), out)

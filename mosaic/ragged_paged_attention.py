@@ -78,6 +78,11 @@ class Config:
     # still computes 64 rows, but decode tiles move only the rows they use.
     tile_rows: int = ROWS
     num_ctas: int = NUM_SMS  # persistent CTAs (fewer when there are fewer work items)
+    # Every KV block through the masked step (batch-invariant mode). Which blocks skip the
+    # mask depends on where a row's work entry starts (how its prompt was chunked, the
+    # configuration's entry size), and on an H200 the two steps gave a row other bits, if
+    # rarely (bench/NOTES.md, Batch invariance: the mask on every KV block).
+    mask_every_block: bool = False
 
 
 def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: int,
@@ -104,13 +109,14 @@ def _prefill_config(head_dim: int) -> Config:
 
 def batch_invariant_config(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
     """`cfg` made to give a query row the same bits in every step: a row's numbers depend
-    on the KV block size (the online softmax rescales once a block) and on the splits
-    (their merge), not on the tile it shares with other rows (each row is its own wgmma
-    row, its own softmax). So no splits, and the block size of the prefill configuration
-    after its shared-memory fit, which also fits every decode configuration (one consumer
-    warpgroup needs less)."""
+    on the KV block size (the online softmax rescales once a block), on the splits (their
+    merge) and on which of its blocks skip the mask, not on the tile it shares with other
+    rows (each row is its own wgmma row, its own softmax). So no splits, every block
+    masked, and the block size of the prefill configuration after its shared-memory fit,
+    which also fits every decode configuration (one consumer warpgroup needs less)."""
     prefill = _fit_stages(_prefill_config(head_dim), head_dim, q_dtype, kv_dtype)
-    return dataclasses.replace(cfg, num_splits=1, block_kv=prefill.block_kv)
+    return dataclasses.replace(cfg, num_splits=1, block_kv=prefill.block_kv,
+                               mask_every_block=True)
 
 
 SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit
@@ -411,7 +417,9 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
             # Blocks that need no mask: inside every token's window (the last token's starts
             # latest) and at or before the first token causally (so kv_len cannot bite).
             full_lo = jnp.int32(0)
-            if sliding_window is not None:
+            if cfg.mask_every_block:
+                full_lo = steps
+            elif sliding_window is not None:
                 last_pos = pos0 + num_tokens - 1
                 full_lo = (jnp.maximum(last_pos - sliding_window + 1, 0) + bk - 1) // bk - lo
             full_hi = (pos0 + 1) // bk - lo

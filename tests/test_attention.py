@@ -682,13 +682,69 @@ def test_mosaic_fp8_prefill_config_fits_shared_memory():
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 def test_mosaic_batch_invariant_config_is_one_for_every_step(kv_dtype):
     """Batch-invariant mode: decode-like (split-KV) and prefill-heavy steps get the same KV
-    block and no splits, a block that fits shared memory in both; without the mode they
-    differ (else the check could not fail)."""
+    block, no splits and every block masked, a block that fits shared memory in both;
+    without the mode they differ (else the check could not fail)."""
     steps = [(8, 256, 8192), (256, 256, 8192), (2048, 256, 8192), (1, 1, 65536)]
     chosen = [mosaic.choose_config(t, s, 8, ctx, 128, 4) for t, s, ctx in steps]
     fitted = [mosaic._fit_stages(c, 128, jnp.bfloat16, kv_dtype) for c in chosen]
     assert len({(c.block_kv, c.num_splits) for c in fitted}) > 1
+    assert not any(c.mask_every_block for c in fitted)
     fixed = [mosaic._fit_stages(mosaic.batch_invariant_config(c, 128, jnp.bfloat16, kv_dtype),
                                 128, jnp.bfloat16, kv_dtype) for c in chosen]
-    assert len({(c.block_kv, c.num_splits) for c in fixed}) == 1
-    assert fixed[0].num_splits == 1
+    assert len({(c.block_kv, c.num_splits, c.mask_every_block) for c in fixed}) == 1
+    assert fixed[0].num_splits == 1 and fixed[0].mask_every_block
+
+
+def _rows_of_one_prompt(start: int, beside: bool, slots: int, data):
+    """The Mosaic kernel's batch-invariant output rows for tokens start.. of one sequence
+    whose pages already hold all its k/v (a chunk of a prompt, or a decode when one token is
+    left), alone in the step or behind another sequence's prefill, in a step of `slots`
+    sequence slots (256: steps of up to 512 tokens take the decode configuration)."""
+    q_full, q_other, k_pages, v_pages, page_size = data
+    length, other = q_full.shape[0], q_other.shape[0]
+    n = length - start
+    pages = jnp.arange(length // page_size, dtype=jnp.int32)
+    other_pages = length // page_size + jnp.arange(-(-other // page_size), dtype=jnp.int32)
+    table = jnp.zeros((slots, pages.shape[0]), jnp.int32)
+    lens = [other, n] if beside else [n]
+    kv_lens = ([other, length] if beside else [length]) + [0] * (slots - len(lens))
+    cu = np.concatenate([[0], np.cumsum(lens), np.full(slots - len(lens), sum(lens))])
+    if beside:
+        q = jnp.concatenate([q_other, q_full[start:]])
+        table = table.at[0, :other_pages.shape[0]].set(other_pages).at[1].set(pages)
+    else:
+        q = q_full[start:]
+        table = table.at[0].set(pages)
+    md = AttentionMetadata(cu_q_lens=jnp.asarray(cu, jnp.int32),
+                           kv_lens=jnp.array(kv_lens, jnp.int32), page_indices=table,
+                           num_seqs=jnp.array([len(lens)], jnp.int32))
+    out = mosaic.attend_pages_mgpu(q, k_pages, v_pages, md, sm_scale=q.shape[-1] ** -0.5,
+                                   batch_invariant=True)
+    return np.asarray(out[-n:].astype(jnp.float32))
+
+
+@gpu
+def test_mosaic_batch_invariant_rows_whatever_the_chunking():
+    """Batch-invariant mode on Hopper: a query row gets the same bits whether its prompt
+    arrives whole, in chunks that start anywhere (work entries that straddle KV blocks), or
+    as a decode, alone or beside another prefill, in steps of the prefill or the decode
+    configuration. The Llama-3-8B shape: 32 query heads over 8 KV heads, head_dim 128,
+    contexts of 800."""
+    rng = np.random.default_rng()
+    length, other, page_size, hq, hkv, d = 800, 333, 16, 32, 8, 128
+    num_pages = length // page_size + -(-other // page_size)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    data = (normal(length, hq, d), normal(other, hq, d), normal(num_pages, page_size, hkv, d),
+            normal(num_pages, page_size, hkv, d), page_size)
+    whole = _rows_of_one_prompt(0, False, 4, data)
+    assert np.isfinite(whole).all()
+    for start, beside, slots in [(0, True, 4), (137, False, 4), (630, True, 4), (700, False, 4),
+                                 (777, True, 4), (799, False, 4), (799, True, 4),
+                                 (0, False, 256), (630, True, 256), (777, False, 256),
+                                 (799, True, 256)]:
+        rows = _rows_of_one_prompt(start, beside, slots, data)
+        differ = (rows != whole[start:]).any(axis=(1, 2))
+        assert not differ.any(), (start, beside, slots, np.flatnonzero(differ)[:8] + start)

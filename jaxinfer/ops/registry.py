@@ -200,6 +200,17 @@ def by_row_blocks(fn, *arrays):
     return out.reshape(-1, out.shape[-1])[:m].reshape(*lead, out.shape[-1])
 
 
+def row_local(fn, *arrays):
+    """fn(*arrays) for an fn whose output rows each depend on the same row of its inputs only
+    (a reduction within a row, a sum over a few slots); in batch-invariant mode over fixed
+    blocks of rows (`by_row_blocks`), so that its reduction order cannot follow the row
+    count. Plain elementwise work needs none: on the H100 / H200, RoPE and the MLP's
+    activation in blocks gave the 8B's logits the same bits as without (bench/NOTES.md,
+    Batch invariance). arrays: [..., F_i] with the same leading dimensions; fn maps
+    [R, F_i] blocks to [R, N]."""
+    return by_row_blocks(fn, *arrays) if batch_invariant() else fn(*arrays)
+
+
 @contextlib.contextmanager
 def batch_invariant_mode(on: bool = True):
     """Ops traced inside pick batch-invariant implementations only (if on). A context

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.ops.registry import batch_invariant, by_row_blocks
+from jaxinfer.ops.registry import row_local
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[jax.Array, float]:
@@ -89,14 +89,13 @@ def apply_rope(x, cos, sin):
 
 
 def inverse_rms(x32, eps: float):
-    """x32 [..., D] float32 -> 1 / sqrt(mean(x^2) + eps) over its last axis, [..., 1]. In
-    batch-invariant mode over fixed blocks of rows (`by_row_blocks`): XLA:CPU reduces a
-    row in one order below 8 rows and in another from 8 on, and fused with other work its
-    order may change with the program."""
+    """x32 [..., D] float32 -> 1 / sqrt(mean(x^2) + eps) over its last axis, [..., 1], row
+    local (`row_local`): XLA:CPU reduces a row in one order below 8 rows and in another from
+    8 on, and fused with other work its order may change with the program."""
     def rows(x):
         return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
-    return by_row_blocks(rows, x32) if batch_invariant() else rows(x32)
+    return row_local(rows, x32)
 
 
 def scale_normed(x32, inv, scale, dtype):
