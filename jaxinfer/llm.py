@@ -268,12 +268,12 @@ class LLM:
             runner = ModelRunner(model_i, num_pages, page_size, self.max_model_len,
                                  replica_mesh, max_num_seqs, kv_dtype, self._weights,
                                  batch_invariant)
-            # The next step planned while one runs, on one process (a multi-host job's
-            # followers would follow, but it is not tried yet).
-            overlap = not multihost.is_multiprocess()
+            # The next step planned while one runs. A multi-host job's followers run the
+            # broadcast steps in the leader's order, each taking its decodes' tokens from
+            # its own copy of the step before's output (`ModelRunner.follow`).
             engines.append(Engine(runner, c.eos_token_ids, self.max_model_len, max_num_seqs,
                                   max_num_batched_tokens, self.tokenizer, decode_steps,
-                                  overlap=overlap))
+                                  overlap=True))
         self.engine = engines[0] if len(engines) == 1 else ReplicatedEngine(engines)
         if self._helpers is not None:  # the warm-up's programs the executable cache lacks
             runner = self.runner

@@ -166,8 +166,8 @@ def _free_port() -> int:
 
 def test_two_processes_generate_together(hf_models):
     """Two processes of two CPU devices each form one tp=4 mesh: process 0 schedules and
-    broadcasts every step, process 1 follows; both sample the same tokens, which equal
-    the single-process unsharded run's."""
+    broadcasts every step, planning each while the one before runs (overlap), process 1
+    follows; both sample the same tokens, which equal the single-process unsharded run's."""
     path = hf_models["llama"]
     prompt = _prompts(4, (11,))[0]
     want = LLM(path, dtype="float32", kv_cache_bytes=KV_BYTES).generate(
@@ -182,9 +182,10 @@ def test_two_processes_generate_together(hf_models):
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr[-3000:]
-        outs.append(json.loads(stdout.strip().splitlines()[-1])["tokens"])
-    assert outs[0] == want
-    assert outs[1] == want
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert outs[0]["overlap"]
+    assert outs[0]["tokens"] == want
+    assert outs[1]["tokens"] == want
 
 
 @pytest.mark.gpu
