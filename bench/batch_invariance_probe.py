@@ -2,7 +2,7 @@
 and with logprobs, so that a difference shows even where it does not flip a token.
 
 1. Prefill logits: `LLM.logits` of one prompt alone against the same prompt among others
-   (other row counts and offsets in the step), float32 logits compared bitwise.
+   (other row counts and offsets in its program), float32 logits compared bitwise.
 2. Generation: N prompts of random lengths together (`LLM.generate`, the engine's own
    batching, preemption where the KV pool runs short), then a sample of them alone three
    times: with whatever prefix-cache hits they find, again (the first solo run's pages
@@ -50,13 +50,14 @@ def first_difference(a, b) -> dict | None:
 
 
 def logits_probe(llm: LLM, rng, vocab: int, lengths: list[int]) -> list[dict]:
-    """One prompt's logits alone against among others of these lengths (in turn before and
-    after it): how many of its float32 logits differ."""
-    prompt = rng.integers(0, vocab, 300).tolist()
+    """One prompt's logits alone against among others of these lengths in all (prompts of
+    up to 40 tokens, half before it and half after, so that some share its program): how
+    many of its float32 logits differ."""
+    prompt = rng.integers(0, vocab, 100).tolist()
     alone = np.asarray(llm.logits([prompt])[0])
     rows = []
     for n in lengths:
-        sizes = [min(400, n - k) for k in range(0, n, 400)]  # prompts of up to 400 tokens
+        sizes = [min(40, n - k) for k in range(0, n, 40)]
         others = [rng.integers(0, vocab, k).tolist() for k in sizes]
         half = len(others) // 2
         out = llm.logits(others[:half] + [prompt] + others[half:])
@@ -64,7 +65,7 @@ def logits_probe(llm: LLM, rng, vocab: int, lengths: list[int]) -> list[dict]:
         differ = together != alone
         rows.append({"other_tokens": n, "logits_differ": int(differ.sum()),
                      "rows_differ": int(differ.any(axis=1).sum())})
-        print(f"logits: prompt of 300 among {n} other tokens: {rows[-1]['rows_differ']} of 300 "
+        print(f"logits: prompt of 100 among {n} other tokens: {rows[-1]['rows_differ']} of 100 "
               f"rows differ ({rows[-1]['logits_differ']} logits)", flush=True)
     return rows
 

@@ -587,3 +587,43 @@ def test_gpu_multi_step_decode_over_poisoned_pages_matches_single_steps():
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
         assert all(len(t) == 40 for t in outs[-1])
     assert outs[0] == outs[1]
+
+
+def test_logits_run_in_programs_of_bounded_tokens():
+    """`LLM.logits` runs at most `logits_rows` tokens a program: prompts share one while
+    they fit, a longer prompt runs in chunks over its pages. The logits equal those of one
+    program over every prompt (float32, to rounding); a prompt the free pages cannot hold
+    gets a one-line error."""
+    import dataclasses
+
+    from jaxinfer.errors import JaxinferError
+
+    config = dataclasses.replace(preset_config("tiny"), max_position_embeddings=512)
+    model = random_model(config, jnp.float32, seed=3)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (150, 30, 40, 10)]
+    kv_bytes = 64 * 16 * config.kv_bytes_per_token(4)
+    whole = LLM(model, kv_cache_bytes=kv_bytes, max_num_batched_tokens=512).logits(prompts)
+    llm = LLM(model, kv_cache_bytes=kv_bytes, max_num_seqs=4, max_num_batched_tokens=64)
+    assert llm.engine.logits_rows == 64
+    calls, run = [], llm.runner.logits
+
+    def counting(chunks):
+        calls.append(sum(len(c.new_tokens) for c in chunks))
+        return run(chunks)
+
+    llm.runner.logits = counting
+    got = llm.logits(prompts)
+    assert calls == [64, 64, 22, 30, 50]
+    for a, b in zip(got, whole, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    pool = llm.engine.scheduler.pool
+    taken = pool.allocate(pool.num_free - 4)
+    try:
+        with pytest.raises(JaxinferError, match="too small for a prompt of 150 tokens "
+                                                r"\(10 pages of 16 needed, 4 free\)"):
+            llm.logits(prompts[:1])
+    finally:
+        pool.release(taken)
+    assert pool.num_free == pool.num_pages
