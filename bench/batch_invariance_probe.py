@@ -156,10 +156,12 @@ def split_probe(llm: LLM, rng, vocab: int, length: int = 740, split: int = 229) 
     rows = []
     try:
         whole = first(runner.step([chunk(0, length)], with_logprobs=True))
-        kv_whole = kv()
+        # A pool per layer unless the layers are scanned (then a pool holds several).
+        per_layer = runner.layers_per_pool == 1
+        kv_whole = kv() if per_layer else []
         runner.step([chunk(0, split)], with_logprobs=True)
         sync = first(runner.step([chunk(split, length - split)], with_logprobs=True))
-        for name, a, b in zip("kv", kv(), kv_whole, strict=True):
+        for name, a, b in zip("kv", kv() if per_layer else [], kv_whole, strict=True):
             differ = (a != b).any(axis=(2, 3))  # [layers, positions]
             layers = np.flatnonzero(differ.any(axis=1))
             if layers.size:
