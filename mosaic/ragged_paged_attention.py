@@ -7,9 +7,10 @@ num_seqs [1]); returns (out [T, Hq, D] in q.dtype, k_pages, v_pages).
 
 Algorithm (flash attention over pages):
 - The new k/v are scattered into the pages by XLA first (`write_kv_pages`, in
-  place under donation), which also zeroes the slots past kv_len of each
-  sequence's last page: every page the kernel reads then holds finite values
-  (a masked P = 0 times a stale NaN would still be NaN).
+  place under donation). The kernel reads whole pages, so every page it reads
+  must hold finite values (a masked P = 0 times a stale NaN would still be NaN):
+  the write zeroes the slots past kv_len of each sequence's last page, unless
+  md.zero_tails says the pages are finite already (the runner's).
 - Work list (built with jnp, static length): one entry per (sequence, block of
   `tokens_per_block` tokens). Queries are gathered into per-entry tiles
   [Hkv, entries, compute_wgs * 64, D]: the G = Hq / Hkv query heads of a KV

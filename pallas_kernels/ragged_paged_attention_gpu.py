@@ -15,7 +15,7 @@ Algorithm (flash decoding over pages):
      only the runner's warm-up steps repeat the scratch page, and discard the output.)
      As XLA ops the write took two kernels per layer at batch-1 decode; the slots past
      kv_len in a last page are still zeroed by XLA after the kernel where md.zero_tails
-     (not inside the multi-step decode loop, which zeroes them up front).
+     (not in the runner's steps, whose pages hold finite values only).
   2. Grid = (T, Hkv, splits): program (t, h, s) attends token t's G = Hq / Hkv query
      heads of KV head h over split s of the page table's blocks of `block_kv` cache
      positions (a fixed share, so no loaded scalar delays its first loads; with a
@@ -64,6 +64,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxinfer.ops.attention import (
     FP8_KV_DTYPE,
     AttentionMetadata,
+    finite_or_zero,
     quantize_kv,
     token_positions,
     zero_page_tails,
@@ -126,6 +127,9 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
         if prologue is not None:  # (T = 1) the k row normed and rotated, as q below
             k_swap = pl_triton.load(k_new_ref.at[t, k_head, _swapped_d(k_row)])
             k_row = _prologue(k_row, k_swap, norm_refs[1], cos_ref, sin_ref, t, prologue)
+        if kv_head0 != (0, 0):  # the raw projection: stored finite, as `quantize_kv` does
+            k_row = finite_or_zero(k_row.astype(k_out_ref.dtype))
+            v_row = finite_or_zero(v_row.astype(v_out_ref.dtype))
 
     end = pos + 1  # the token sees positions [start, end)
     start = 0 if sliding_window is None else jnp.maximum(end - sliding_window, 0)

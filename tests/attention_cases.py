@@ -242,9 +242,9 @@ def oracle(case: Case, b):
     return out
 
 
-def expected_pages(case: Case, b):
-    """The input pages with this step's live k/v written at (page, slot), and the slots
-    past kv_len in each live sequence's last page zeroed."""
+def expected_pages(case: Case, b, zero_tails: bool = True):
+    """The input pages with this step's live k/v written at (page, slot), and (zero_tails)
+    the slots past kv_len in each live sequence's last page zeroed."""
     k_exp, v_exp = b["k_pages"].copy(), b["v_pages"].copy()
     written = np.zeros(k_exp.shape[:2], bool)
     pi = b["md"]["page_indices"]
@@ -263,6 +263,8 @@ def expected_pages(case: Case, b):
                 k_exp[page, slot] = kv_store(case, b["k"][t0 + i] / (case.k_scale or 1.0))
                 v_exp[page, slot] = kv_store(case, b["v"][t0 + i] / (case.v_scale or 1.0))
         t0 += q_len
+        if not zero_tails:
+            continue
         # The rest of the last page (slots past kv_len) is zeroed by the write.
         last = pi[s, (kv_len - 1) // case.page_size]
         k_exp[last, kv_len % case.page_size or case.page_size:] = 0

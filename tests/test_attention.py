@@ -32,21 +32,22 @@ from jaxinfer.ops.attention import (
     AttentionMetadata,
     quantize_kv,
     write_kv_pages,
-    zero_decode_slots,
 )
 from jaxinfer.ops.attention_registry import REGISTRY, ragged_paged_attention
 from jaxinfer.ops.rope import QKPrologue, rope_tables
 from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu_kernel
 
 
-def run(case: Case, b, implementation: str = "reference", prologue=None, fused=False):
+def run(case: Case, b, implementation: str = "reference", prologue=None, fused=False,
+        zero_tails=True):
     """The case through `ragged_paged_attention`; fused: q, k, v as one projection
-    [T, (Hq + 2 Hkv) * D] (k = v = None)."""
+    [T, (Hq + 2 Hkv) * D] (k = v = None); zero_tails: the metadata's."""
     fn = jax.jit(functools.partial(
         ragged_paged_attention, sm_scale=case.d ** -0.5, sliding_window=case.sliding_window,
         soft_cap=case.soft_cap, k_scale=case.k_scale, v_scale=case.v_scale,
         implementation=implementation))
-    md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
+    md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()},
+                           zero_tails=zero_tails)
     dt = jnp.dtype(case.dtype)
     kv_dt = jnp.dtype(case.kv_dtype or case.dtype)
     sinks = None if b["sinks"] is None else jnp.asarray(b["sinks"])
@@ -74,13 +75,13 @@ BACKENDS = [backend for name in REGISTRY.names for backend in (
 XLA_IMPLEMENTATIONS = ("by_sequence", "by_sequence_fixed_rows", "reference")
 
 
-def check_against_oracle(case: Case, implementation: str, platform: str):
+def check_against_oracle(case: Case, implementation: str, platform: str, zero_tails=True):
     if implementation not in XLA_IMPLEMENTATIONS and case.dtype == "float32":
         case = dataclasses.replace(case, dtype="bfloat16")
     b = build(case)
     # Full float32 matmuls on GPUs too (their default is TF32 for float32 dots).
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
-        out, kp, vp = run(case, b, implementation)
+        out, kp, vp = run(case, b, implementation, zero_tails=zero_tails)
     live = out[:b["live_tokens"]]
 
     # (c) no NaN / inf in live outputs, whatever the pages held.
@@ -93,7 +94,7 @@ def check_against_oracle(case: Case, implementation: str, platform: str):
     np.testing.assert_allclose(live, want, rtol=tol, atol=tol)
 
     # (b) new k/v at the right (page, slot); every other slot unchanged.
-    k_exp, v_exp, written = expected_pages(case, b)
+    k_exp, v_exp, written = expected_pages(case, b, zero_tails)
     assert written.sum() == b["live_tokens"]
     np.testing.assert_array_equal(kp, k_exp.astype(np.float32))
     np.testing.assert_array_equal(vp, v_exp.astype(np.float32))
@@ -106,6 +107,16 @@ def check_against_oracle(case: Case, implementation: str, platform: str):
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_oracle(name, implementation, platform):
     check_against_oracle(CASES[name], implementation, platform)
+
+
+@pytest.mark.parametrize("implementation,platform", BACKENDS)
+@pytest.mark.parametrize("name", ["poison", "poison_window_sinks", "fp8_kv"])
+def test_finite_pages_need_no_tail_zeroing(name, implementation, platform):
+    """Without the tail zeroing (md.zero_tails False: the runner's steps, whose pages hold
+    finite values only), every implementation matches the oracle over pages whose other
+    slots hold finite garbage (+-1e30 in the poison cases, past kv_len in last pages
+    too), and the write changes no slot but this step's."""
+    check_against_oracle(CASES[name], implementation, platform, zero_tails=False)
 
 
 @pytest.mark.parametrize("row_block", [1, 3])
@@ -493,51 +504,55 @@ def test_one_token_write_into_pages_with_a_scratch_page(live, kv_dtype):
         np.testing.assert_array_equal(got, want)
 
 
-def test_multi_step_decode_pages_stay_finite_without_per_step_tail_zeroing():
-    """A multi-step decode zeroes its slots once (`zero_decode_slots`) and its steps' writes
-    skip the tail zeroing (md.zero_tails=False): at every step each page a sequence reads
-    holds finite values (the Mosaic kernel reads whole pages), its earlier tokens are kept,
-    and no other page is touched."""
+@pytest.mark.parametrize("path,kv_dtype", [
+    ("scatter", jnp.bfloat16), ("scatter", jnp.float8_e4m3fn), ("one_token", jnp.bfloat16),
+    ("one_token", jnp.float8_e4m3fn), ("pallas_gpu_fused", jnp.bfloat16)])
+def test_pages_store_finite_values_only(path, kv_dtype):
+    """Every write path stores a non-finite k/v element (NaN, +-inf) as 0 and the rest as
+    the page dtype holds them: XLA's scatter, its one-token update, and the Pallas GPU
+    kernel's own store of a fused projection (interpreted here). So the runner's pages,
+    zero at allocation, hold finite values only and its steps skip the tail zeroing
+    (md.zero_tails False). No other slot changes."""
     rng = np.random.default_rng()
-    ps, hkv, d, steps = 8, 2, 16, 12
-    num_pages, scratch = 16, 15  # finished sequences write into the scratch page
-    kv_lens = np.array([5, 8, 17, 0])  # after this step's first token; row 3 is padding
-    remaining = np.array([12, 3, 7, 0])
-    pages = np.full((4, 5), 0, np.int32)
-    pages[0, :3], pages[1, :2], pages[2, :4] = [3, 9, 1], [4, 12], [7, 2, 11, 5]
-    poison = jnp.full((num_pages, ps, hkv, d), jnp.nan, jnp.float32)
-    # What the cache held before: each sequence's earlier tokens finite, the rest NaN.
-    k_pages, v_pages = poison, poison
-    for s in range(3):
-        for p in range(kv_lens[s] - 1):
-            val = rng.standard_normal((hkv, d))
-            k_pages = k_pages.at[pages[s, p // ps], p % ps].set(val)
-            v_pages = v_pages.at[pages[s, p // ps], p % ps].set(-val)
-    before = np.asarray(k_pages)
-    md = AttentionMetadata(cu_q_lens=jnp.array([0, 1, 2, 3, 3]), kv_lens=jnp.asarray(kv_lens),
-                           page_indices=jnp.asarray(pages), num_seqs=jnp.array([3]))
-    [(k_pages, v_pages)] = zero_decode_slots([(k_pages, v_pages)], md,
-                                             jnp.minimum(jnp.asarray(remaining), steps), steps)
-    after = np.asarray(k_pages)
-    used = {int(pages[s, p // ps]) for s in range(3)
-            for p in range(kv_lens[s] - 1 + min(remaining[s], steps))}
-    untouched = [p for p in range(num_pages) if p not in used | {scratch}]
-    np.testing.assert_array_equal(after[untouched], before[untouched])  # NaN stays NaN
-    md = dataclasses.replace(md, zero_tails=False)
-    for i in range(steps):
-        live = np.minimum(remaining, steps) > i  # as the runner's loop: done rows go to scratch
-        step_md = dataclasses.replace(md, kv_lens=jnp.asarray(kv_lens + np.minimum(i, remaining)),
-                                      page_indices=jnp.asarray(np.where(live[:, None], pages,
-                                                                        scratch)))
-        new = jnp.asarray(rng.standard_normal((4, hkv, d)), jnp.float32)
-        k_pages, v_pages = write_kv_pages(new, new, k_pages, v_pages, step_md)
-        k, v = np.asarray(k_pages), np.asarray(v_pages)
-        for s in np.flatnonzero(live[:3]):
-            pos = kv_lens[s] - 1 + i
-            read = pages[s, :pos // ps + 1]
-            assert np.isfinite(k[read]).all() and np.isfinite(v[read]).all(), (s, i)
-            np.testing.assert_array_equal(k[pages[s, pos // ps], pos % ps], new[s])
-    np.testing.assert_array_equal(np.asarray(k_pages)[untouched], before[untouched])
+    num_pages, ps, hq, hkv, d = 9, 8, 4, 2, 64
+    T = 3 if path == "scatter" else 1
+    fp8 = kv_dtype == FP8_KV_DTYPE
+    scale = 0.5 if fp8 else None
+    pages = np.array([[6, 2, 4], [1, 3, 5]], np.int32)
+    kv_len = int(rng.integers(T, 3 * ps + 1))  # after this step
+    md = AttentionMetadata(cu_q_lens=jnp.array([0, T, T]), kv_lens=jnp.array([kv_len, 0]),
+                           page_indices=jnp.asarray(pages), num_seqs=jnp.array([1]),
+                           zero_tails=False, scratch_page=path != "scatter")
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)),
+                                    jnp.float32).astype(kv_dtype) for _ in range(2))
+    new = []
+    for _ in range(2):  # k, v: a NaN, +inf and -inf each, at random elements
+        x = rng.standard_normal((T, hkv, d)) * 3
+        flat = x.reshape(-1)
+        flat[rng.choice(flat.size, 3, replace=False)] = [np.nan, np.inf, -np.inf]
+        new.append(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)))
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in new)
+    if path == "pallas_gpu_fused":
+        q = jnp.asarray(rng.standard_normal((T, hq, d)), jnp.bfloat16)
+        qkv = jnp.concatenate([x.reshape(T, -1) for x in (q, k, v)], axis=1)
+        _, got_k, got_v = jax.jit(functools.partial(
+            pallas_gpu_kernel.ragged_paged_attention_gpu, sm_scale=d ** -0.5))(
+            qkv, None, None, k_pages, v_pages, md)
+    else:
+        got_k, got_v = jax.jit(functools.partial(write_kv_pages, k_scale=scale,
+                                                 v_scale=scale))(k, v, k_pages, v_pages, md)
+    limit = float(jnp.finfo(FP8_KV_DTYPE).max)
+    for got, x, old in ((got_k, new[0], k_pages), (got_v, new[1], v_pages)):
+        stored = np.where(np.isfinite(x), x, 0.0)
+        if fp8:
+            stored = np.clip(stored / scale, -limit, limit).astype(FP8_KV_DTYPE)
+        want = np.array(old.astype(jnp.float32))
+        for t in range(T):
+            pos = kv_len - T + t
+            want[pages[0, pos // ps], pos % ps] = np.asarray(stored[t], np.float32)
+        got = np.asarray(got.astype(jnp.float32))
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, want)
 
 
 # The q/k prologue (`QKPrologue`: per-head RMSNorm, then RoPE). The Pallas GPU kernel applies

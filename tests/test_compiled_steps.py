@@ -64,6 +64,34 @@ def test_programs_are_loaded_by_the_next_instance_not_compiled(cache):
     assert (other.num_compiled, other.num_loaded) == (1, 0)
 
 
+def test_arguments_of_other_shapes_get_their_own_program(cache):
+    """Two steps of one identity and one shape whose arguments differ in size (a setting
+    the identity omits sizes one, as max_num_seqs sizes the runner's last-token slots)
+    do not share a program on disk: the second compiles its own and runs."""
+
+    def steps(extra: int) -> CompiledSteps:
+        def lower(shape, x, slots):
+            return jax.jit(lambda x, slots: (x * 3 + shape.num_tokens, jnp.sum(x) + slots[0])
+                           ).trace(x, slots).lower()
+
+        return CompiledSteps("toy", lower, lambda s: (np.zeros(s.num_tokens, np.float32),
+                                                      np.zeros(extra, np.float32)),
+                             lambda s: jax.tree.structure((0, 0)), "toy-v1",
+                             jax.devices()[:1], max_workers=2)
+
+    shape = StepShape("sample", 8, 1, 4)
+    x = np.random.default_rng().standard_normal(8).astype(np.float32)
+    for extra in (4, 8):
+        step = steps(extra)
+        y, _ = step.run(shape, x, np.ones(extra, np.float32))
+        np.testing.assert_allclose(np.asarray(y), x * 3 + 8, rtol=1e-6, atol=1e-5)
+        assert (step.num_compiled, step.num_loaded) == (1, 0)
+    assert len(list(cache.glob("*.jexe"))) == 2
+    again = steps(4)
+    again.run(shape, x, np.ones(4, np.float32))
+    assert (again.num_compiled, again.num_loaded) == (0, 1)
+
+
 def test_a_damaged_file_is_compiled_again(cache):
     shape = StepShape("sample", 8, 1, 4)
     _steps().compile_many([shape])

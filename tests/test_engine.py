@@ -566,11 +566,12 @@ def test_every_batch_within_the_limits_runs_a_warmed_program(max_num_seqs, budge
 
 
 @pytest.mark.gpu
-def test_gpu_multi_step_decode_over_poisoned_pages_matches_single_steps():
-    """On the GPU (bf16, the Mosaic attention kernel, which reads whole pages): with every
-    cache page NaN before the run, an 8-step on-device decode (page tails zeroed once per
-    loop, `zero_decode_slots`) gives the single-step engine's greedy tokens (tails zeroed by
-    every step's write), and both are NaN-free."""
+def test_gpu_steps_over_finite_garbage_pages_match_zeroed_pages():
+    """On the GPU (bf16, the Mosaic attention kernel, which reads whole pages, and no page
+    tail zeroing in the runner's steps): with every cache page holding finite garbage at
+    the bf16 extremes (+-1e38) before the run, as pages freed by other sequences hold old
+    rows, greedy decodes of one step and of 8 steps a call give the tokens they give over
+    zeroed pages."""
     config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
                          intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,
                          head_dim=64, max_position_embeddings=2048, eos_token_ids=(1,))
@@ -578,15 +579,18 @@ def test_gpu_multi_step_decode_over_poisoned_pages_matches_single_steps():
     rng = np.random.default_rng()
     prompts = [rng.integers(2, 2048, n).tolist() for n in (5, 16, 37, 90)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    outs = []
     for steps in (1, 8):
-        llm = LLM(model, kv_cache_bytes=64 << 20, decode_steps=steps, page_size=16)
-        llm.runner.kv_cache = [tuple(jnp.full_like(p, jnp.nan) for p in layer)
-                               for layer in llm.runner.kv_cache]
-        jax.block_until_ready(llm.runner.kv_cache)
-        outs.append([o.token_ids for o in llm.generate(prompts, params)])
-        assert all(len(t) == 40 for t in outs[-1])
-    assert outs[0] == outs[1]
+        outs = []
+        for garbage in (False, True):
+            llm = LLM(model, kv_cache_bytes=64 << 20, decode_steps=steps, page_size=16)
+            if garbage:
+                llm.runner.kv_cache = [tuple(
+                    jnp.asarray(rng.choice([-1e38, 1e38], p.shape), p.dtype) for p in layer)
+                    for layer in llm.runner.kv_cache]
+                jax.block_until_ready(llm.runner.kv_cache)
+            outs.append([o.token_ids for o in llm.generate(prompts, params)])
+            assert all(len(t) == 40 for t in outs[-1])
+        assert outs[0] == outs[1], steps
 
 
 def test_logits_run_in_programs_of_bounded_tokens():

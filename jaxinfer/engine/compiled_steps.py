@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +247,12 @@ class CompiledSteps:
     def _path(self, shape: StepShape) -> Path | None:
         if self._dir is None:
             return None
-        name = hashlib.sha256((self._key + repr(shape)).encode()).hexdigest()[:32]
+        # The arguments' shapes and dtypes too: a program runs only on those, and a setting
+        # the identity omits may size one (the runner's last-token slots follow
+        # max_num_seqs).
+        signature = repr([(np.shape(x), str(getattr(x, "dtype", type(x).__name__)))
+                          for x in jax.tree.leaves(self._make_args(shape))])
+        name = hashlib.sha256((self._key + repr(shape) + signature).encode()).hexdigest()[:32]
         return self._dir / f"{self.name}-{name}.jexe"
 
     def _build(self, shape: StepShape):

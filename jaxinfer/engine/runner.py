@@ -32,7 +32,7 @@ from jaxinfer.engine.sampling import (
 )
 from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.models import Decoder
-from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata, zero_decode_slots
+from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata
 from jaxinfer.ops.registry import (
     batch_invariant_mode,
     import_platform_kernels,
@@ -311,12 +311,8 @@ class ModelRunner:
 
         # A decode-only batch (token s is sequence s's): all num_steps steps run in one while
         # loop (the first is not peeled off ahead of it), so the program holds one copy of
-        # the model. The page slots the loop will write are zeroed once, here, not by every
-        # step's write.
-        kv_cache = zero_decode_slots(kv_cache, inputs.md,
-                                     jnp.minimum(inputs.remaining, num_steps), num_steps,
-                                     self.layers_per_pool)
-        md = dataclasses.replace(inputs.md, zero_tails=False)
+        # the model.
+        md = inputs.md
         live = rows < inputs.md.num_seqs[0]
         eos = jnp.asarray(self.eos_token_ids or (-2,), jnp.int32)
 
@@ -459,7 +455,8 @@ class ModelRunner:
         md = AttentionMetadata(cu_q_lens=np.zeros(S + 1, np.int32),
                                kv_lens=np.zeros(S, np.int32),
                                page_indices=np.full((S, P), self.scratch_page, np.int32),
-                               num_seqs=np.zeros(1, np.int32), scratch_page=True)
+                               num_seqs=np.zeros(1, np.int32), scratch_page=True,
+                               zero_tails=False)  # the pools hold finite values only
         return StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), md,
                           np.zeros(S, np.int32), SamplingTensors.build([], [], [], S),
                           np.full((S, L), -1, np.int32), np.zeros(S, np.int32),

@@ -70,7 +70,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sharding import P, shard_map_logical
+from jaxinfer.sharding import P
 
 
 @jax.tree_util.register_dataclass
@@ -78,8 +78,12 @@ from jaxinfer.sharding import P, shard_map_logical
 class AttentionMetadata:
     """Describes a ragged batch (see the module docstring for shapes).
 
-    zero_tails (static): whether the write zeroes each sequence's last-page tail;
-    False inside a multi-step decode, whose slots `zero_decode_slots` zeroed up front.
+    zero_tails (static): whether the write zeroes each sequence's last-page tail, so that
+    kernels which read whole pages (the Mosaic kernel's TMA loads) see finite values past
+    kv_len whatever the pages held, NaN included. The runner passes False: its pools start
+    at zero and every write stores finite values (`quantize_kv`), so every page already
+    holds finite values, and a masked score's p = 0 times a finite V is 0. (The zeroing
+    was two scatters a layer each step: ~1.4 ms of a 12 ms decode step at 256 sequences.)
     scratch_page (static): the pages' last page is a scratch page that no sequence reads
     (the runner's), where `write_kv_pages` may put a padding token's k/v.
     """
@@ -174,12 +178,21 @@ def split_qkv(qkv, num_kv_heads: int, head_dim: int):
     return heads[:, :hq], heads[:, hq:hq + num_kv_heads], heads[:, hq + num_kv_heads:]
 
 
+def finite_or_zero(x):
+    """x with its NaN and +-inf elements replaced by 0 (a comparison and a select, which
+    the Pallas GPU kernels lower too)."""
+    return jnp.where(jnp.abs(x) <= jnp.finfo(x.dtype).max, x, jnp.zeros((), x.dtype))
+
+
 def quantize_kv(x, dtype, scale: float | None):
-    """What a cache page of `dtype` stores for x: x itself, or x / scale clipped to e4m3."""
+    """What a cache page of `dtype` stores for x: x itself, or x / scale clipped to e4m3;
+    non-finite elements as 0, so that pages hold finite values only (`AttentionMetadata.
+    zero_tails`): a NaN one sequence's step produced never reaches the sequence that reuses
+    its page."""
     if jnp.dtype(dtype) != FP8_KV_DTYPE:
-        return x.astype(dtype)
+        return finite_or_zero(x.astype(dtype))
     limit = float(jnp.finfo(FP8_KV_DTYPE).max)
-    scaled = x.astype(jnp.float32) / (1.0 if scale is None else scale)
+    scaled = finite_or_zero(x.astype(jnp.float32)) / (1.0 if scale is None else scale)
     return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 
@@ -189,7 +202,7 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
     lone one, with md.scratch_page, lands in the scratch page instead).
 
     The slots past kv_len in each live sequence's last page are zeroed too (unless
-    md.zero_tails is False: known zero already), so the pages a kernel reads whole always
+    md.zero_tails is False: known finite already), so the pages a kernel reads whole always
     hold finite values.
     """
     token_seq, token_pos, valid = token_positions(md, k.shape[0])
@@ -221,47 +234,20 @@ def zero_page_tails(k_pages, v_pages, md: AttentionMetadata):
     return zero_slots(k_pages, v_pages, md, md.kv_lens, -(-md.kv_lens // ps) * ps, ps)
 
 
-def zero_slots(k_pages, v_pages, md: AttentionMetadata, start, end, width: int,
-               layers: int = 1):
+def zero_slots(k_pages, v_pages, md: AttentionMetadata, start, end, width: int):
     """Zeroes cache positions start[s] <= pos < end[s] ([S] int32, end - start <= width) of
-    each live sequence s, in its pages; in each of `layers` layers' pages when the arrays
-    hold that many layers (`zero_decode_slots`)."""
+    each live sequence s, in its pages."""
     S, ps = md.kv_lens.shape[0], k_pages.shape[1]
     pos = start[:, None] + jnp.arange(width)[None, :]  # [S, width]
     live = (jnp.arange(S) < md.num_seqs[0])[:, None] & (pos < end[:, None]) & (pos >= 0)
     col = jnp.clip(pos // ps, 0, md.page_indices.shape[1] - 1)
     page = jnp.take_along_axis(md.page_indices, col, axis=1)
     slot = pos % ps
-    if layers > 1:  # [layers, S, width]: layer l's pages start at l * (pages of a layer)
-        offsets = jnp.arange(layers, dtype=page.dtype) * (k_pages.shape[0] // layers)
-        page = page[None] + offsets[:, None, None]
-        live, slot = (jnp.broadcast_to(a, page.shape) for a in (live, slot))
     page = jnp.where(live, page, k_pages.shape[0])  # out of range: dropped
     zeros = jnp.zeros(page.shape + k_pages.shape[2:], k_pages.dtype)
     k_pages = k_pages.at[page, slot].set(zeros, mode="drop")
     v_pages = v_pages.at[page, slot].set(zeros, mode="drop")
     return k_pages, v_pages
-
-
-def zero_decode_slots(kv_cache: list, md: AttentionMetadata, num_tokens, max_tokens: int,
-                      layers_per_pool: int = 1):
-    """Before a multi-step decode batch (one new token per sequence, at kv_len - 1): zeroes,
-    in every layer's pages, each sequence's slots from that token to the end of the page its
-    num_tokens[s]-th token lands in ([S] int32, <= max_tokens), so the steps' own writes skip
-    the zeroing (md.zero_tails = False). Why: two scatters per pool per decode loop instead
-    of per layer and step. The pages are the ones the loop writes, so none is shared (prefix
-    cache). A pool holding `layers_per_pool` layers (`Decoder.kv_cache_pools`) has each
-    layer's pages after the one before, at offsets of shape[0] / layers_per_pool."""
-    ps = kv_cache[0][0].shape[1]
-    start = md.kv_lens - 1
-    end = -(-(start + num_tokens) // ps) * ps
-
-    def local(k_pages, v_pages, md, start, end):
-        return zero_slots(k_pages, v_pages, md, start, end, ps + max_tokens, layers_per_pool)
-
-    return [shard_map_logical(local, (KV_PAGES_AXES, KV_PAGES_AXES, P(), P(), P()),
-                              (KV_PAGES_AXES, KV_PAGES_AXES), k_pages, v_pages, md, start, end)
-            for k_pages, v_pages in kv_cache]
 
 
 def token_positions(md: AttentionMetadata, num_tokens: int):
