@@ -56,9 +56,12 @@ def gaps(events, lo: float, hi: float):
 def main():
     ap = workload_parser(4, "engine steps traced", __doc__.split("\n")[0])
     ap.add_argument("--top", type=int, default=12, help="longest gaps listed")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="synchronous engine steps (the next one planned after this one)")
     args = ap.parse_args()
     llm, _ = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
                           args.mesh, page_size=args.page_size)
+    llm.engine.overlap = llm.engine.overlap and not args.no_overlap
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # the Python tracer's own cost would widen the gaps
     options.host_tracer_level = 2  # XLA runtime annotations (executions, thunks, copies)
@@ -85,6 +88,12 @@ def main():
     print(f"{len(steps)} engine steps, {window / 1e3:.2f} ms; GPU busy "
           f"{window - idle_us:.0f} us, idle {idle_us:.0f} us ({100 * idle_us / window:.1f}%) "
           f"in {len(idle)} gaps; {len(events)} device events")
+    # XLA re-records a CUDA graph whose buffers moved since its last run, on the host,
+    # between the program's kernels: the GPU waits if it drained the queue meanwhile.
+    updates = [(e - s) / 1e3 for s, e, n in host if n == "command_buffer::update"
+               and lo <= s <= hi]
+    print(f"command-buffer updates: {len(updates)}, {sum(updates):.0f} us of host time "
+          f"(longest {max(updates, default=0):.0f} us)")
     print("idle by gap length: " + ", ".join(
         f"{k} {v:.0f} us" for k, v in sorted(by_length.items(), key=lambda kv: -kv[1])))
     print("| gap (us) | at (us from first step) | before | after | host work then |")
@@ -102,6 +111,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"window_us": window, "idle_us": idle_us, "gaps": len(idle),
+                       "command_buffer_updates_us": updates,
                        "by_length_us": dict(by_length), "longest": rows}, f, indent=2)
 
 
