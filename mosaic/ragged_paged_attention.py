@@ -155,7 +155,9 @@ def _work_list(md: AttentionMetadata, num_entries: int, tokens_per_block: int):
     blocks = -(-q_lens // tokens_per_block)
     ends = jnp.cumsum(blocks)
     entry = jnp.arange(num_entries, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, entry, side="right"), S - 1).astype(jnp.int32)
+    # Compared all at once, not the default while loop (`token_positions` says why).
+    seq = jnp.minimum(jnp.searchsorted(ends, entry, side="right", method="compare_all"),
+                      S - 1).astype(jnp.int32)
     j = entry - (ends[seq] - blocks[seq])
     tokens = jnp.clip(q_lens[seq] - j * tokens_per_block, 0, tokens_per_block)
     tokens = jnp.where(entry < ends[-1], tokens, 0)

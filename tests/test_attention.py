@@ -274,6 +274,39 @@ def test_pallas_gpu_reads_no_row_its_step_writes(name, config, monkeypatch):
     assert np.isnan(np.asarray(vp.astype(jnp.float32))[written]).all()
 
 
+def test_step_metadata_runs_no_loop():
+    """Where each token and work entry sits is found without a loop: a while loop's
+    condition goes back to the host on GPUs, so a step holding one could not be enqueued
+    ahead of the device (jnp.searchsorted's default is such a loop). The results match a
+    plain search on the host."""
+    from jaxinfer.ops.attention import token_positions
+    from jaxinfer.ops.grouped_matmul_registry import row_group_ids
+
+    rng = np.random.default_rng()
+    S, T = 7, 40
+    q_lens = rng.integers(0, 9, S)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    md = AttentionMetadata(cu_q_lens=jnp.asarray(cu),
+                           kv_lens=jnp.asarray(q_lens + rng.integers(0, 50, S), jnp.int32),
+                           page_indices=jnp.zeros((S, 4), jnp.int32),
+                           num_seqs=jnp.array([S - 1], jnp.int32))
+    sizes = jnp.asarray(rng.integers(0, 6, 5), jnp.int32)
+    programs = {
+        "token_positions": (lambda md: token_positions(md, T), (md,)),
+        "mosaic_work_list": (lambda md: mosaic._work_list(md, 30, 4), (md,)),
+        "row_group_ids": (lambda g: row_group_ids(g, 24), (sizes,)),
+    }
+    for name, (fn, args) in programs.items():
+        assert "stablehlo.while" not in jax.jit(fn).lower(*args).as_text(), name
+    seq = np.asarray(token_positions(md, T)[0])
+    live = np.arange(T) < cu[S - 1]
+    want = np.minimum(np.searchsorted(cu[1:], np.arange(T), side="right"), S - 1)
+    np.testing.assert_array_equal(seq[live], want[live])
+    ends = np.cumsum(np.asarray(sizes))
+    np.testing.assert_array_equal(np.asarray(row_group_ids(sizes, 24)),
+                                  np.searchsorted(ends, np.arange(24), side="right"))
+
+
 @pytest.mark.parametrize("num_ctas", [1, 3, 7, 200])
 def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
     """The persistent kernel's item lists: every item of an entry with tokens exactly once,

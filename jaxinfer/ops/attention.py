@@ -83,7 +83,7 @@ class AttentionMetadata:
     kv_len whatever the pages held, NaN included. The runner passes False: its pools start
     at zero and every write stores finite values (`quantize_kv`), so every page already
     holds finite values, and a masked score's p = 0 times a finite V is 0. (The zeroing
-    was two scatters a layer each step: ~1.4 ms of a 12 ms decode step at 256 sequences.)
+    was two scatters a layer each step: ~1 ms of a 12 ms decode step at 256 sequences.)
     scratch_page (static): the pages' last page is a scratch page that no sequence reads
     (the runner's), where `write_kv_pages` may put a padding token's k/v.
     """
@@ -255,8 +255,11 @@ def token_positions(md: AttentionMetadata, num_tokens: int):
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = md.num_seqs[0]
     valid = tokens < md.cu_q_lens[num_seqs]
-    # Sequence s owns tokens cu_q_lens[s] <= t < cu_q_lens[s + 1].
-    seq = jnp.searchsorted(md.cu_q_lens[1:], tokens, side="right").astype(jnp.int32)
+    # Sequence s owns tokens cu_q_lens[s] <= t < cu_q_lens[s + 1]. Compared all at once:
+    # the default search is a while loop, whose condition a GPU reads back to the host, so
+    # the host could not enqueue the rest of the step ahead of the device.
+    seq = jnp.searchsorted(md.cu_q_lens[1:], tokens, side="right", method="compare_all"
+                           ).astype(jnp.int32)
     seq = jnp.minimum(seq, md.kv_lens.shape[0] - 1)
     q_len = md.cu_q_lens[seq + 1] - md.cu_q_lens[seq]
     pos = md.kv_lens[seq] - q_len + (tokens - md.cu_q_lens[seq])

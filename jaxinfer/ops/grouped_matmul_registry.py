@@ -122,8 +122,10 @@ def row_group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     """Each of num_rows rows' group [M] int32 for rows sorted by group (group_sizes [E]):
     E for the rows past the last group."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    return jnp.searchsorted(ends, jnp.arange(num_rows, dtype=jnp.int32), side="right"
-                            ).astype(jnp.int32)
+    # Compared all at once, not the default while loop, whose condition a GPU reads back
+    # to the host mid-step.
+    return jnp.searchsorted(ends, jnp.arange(num_rows, dtype=jnp.int32), side="right",
+                            method="compare_all").astype(jnp.int32)
 
 
 def _rows_fixed_blocks(x, w, group_sizes, *, row_groups, swiglu, rows_sorted,
