@@ -244,14 +244,16 @@ class CompiledSteps:
                 raise
         return future, True
 
-    def _path(self, shape: StepShape) -> Path | None:
+    def _path(self, shape: StepShape, args: tuple | None = None) -> Path | None:
+        """args: shape's example arguments, if already made."""
         if self._dir is None:
             return None
         # The arguments' shapes and dtypes too: a program runs only on those, and a setting
         # the identity omits may size one (the runner's last-token slots follow
         # max_num_seqs).
+        args = self._make_args(shape) if args is None else args
         signature = repr([(np.shape(x), str(getattr(x, "dtype", type(x).__name__)))
-                          for x in jax.tree.leaves(self._make_args(shape))])
+                          for x in jax.tree.leaves(args)])
         name = hashlib.sha256((self._key + repr(shape) + signature).encode()).hexdigest()[:32]
         return self._dir / f"{self.name}-{name}.jexe"
 
@@ -260,7 +262,7 @@ class CompiledSteps:
 
         args = self._make_args(shape)
         in_tree = jax.tree.structure((args, {}))
-        path = self._path(shape)
+        path = self._path(shape, args)
         if path is not None and path.exists():
             try:
                 program = serialize_executable.deserialize_and_load(

@@ -230,23 +230,16 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
 
 def zero_page_tails(k_pages, v_pages, md: AttentionMetadata):
     """Zeroes the slots past kv_len in each live sequence's last page."""
-    ps = k_pages.shape[1]  # kv_len .. the end of its page
-    return zero_slots(k_pages, v_pages, md, md.kv_lens, -(-md.kv_lens // ps) * ps, ps)
-
-
-def zero_slots(k_pages, v_pages, md: AttentionMetadata, start, end, width: int):
-    """Zeroes cache positions start[s] <= pos < end[s] ([S] int32, end - start <= width) of
-    each live sequence s, in its pages."""
     S, ps = md.kv_lens.shape[0], k_pages.shape[1]
-    pos = start[:, None] + jnp.arange(width)[None, :]  # [S, width]
-    live = (jnp.arange(S) < md.num_seqs[0])[:, None] & (pos < end[:, None]) & (pos >= 0)
+    pos = md.kv_lens[:, None] + jnp.arange(ps)[None, :]  # [S, ps]: kv_len .. + page_size
+    end = -(-md.kv_lens // ps) * ps  # the end of kv_len's page
+    live = (jnp.arange(S) < md.num_seqs[0])[:, None] & (pos < end[:, None])
     col = jnp.clip(pos // ps, 0, md.page_indices.shape[1] - 1)
     page = jnp.take_along_axis(md.page_indices, col, axis=1)
-    slot = pos % ps
     page = jnp.where(live, page, k_pages.shape[0])  # out of range: dropped
     zeros = jnp.zeros(page.shape + k_pages.shape[2:], k_pages.dtype)
-    k_pages = k_pages.at[page, slot].set(zeros, mode="drop")
-    v_pages = v_pages.at[page, slot].set(zeros, mode="drop")
+    k_pages = k_pages.at[page, pos % ps].set(zeros, mode="drop")
+    v_pages = v_pages.at[page, pos % ps].set(zeros, mode="drop")
     return k_pages, v_pages
 
 
