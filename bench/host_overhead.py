@@ -9,10 +9,17 @@ weights a decode step reads (`jaxinfer.loading.weights.step_weight_bytes`) over 
 bandwidth, per token.
 
     python bench/host_overhead.py --preset llama3-8b --batch 1 --decode-steps 8
+
+--phases also times the host's share of each engine step by phase (wall clock, the engine's
+methods wrapped): what the host must finish while the device runs one step, for the
+overlapped steps to keep the device busy.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import json
 import time
 
@@ -20,10 +27,51 @@ from jaxinfer.benchmarks.end_to_end import decoding_llm, workload_parser
 from jaxinfer.benchmarks.harness import kernel_table, measure_ceilings, recorded_kernels
 from jaxinfer.loading.weights import step_weight_bytes
 
+# (owner, method, phase): the host's work in an engine step. The wait for the device is
+# inside `finish` (collect); apply = finish less the wait.
+PHASES = [("Scheduler", "schedule", "schedule"), ("ModelRunner", "prepare", "prepare inputs"),
+          ("ModelRunner", "_run", "dispatch (transfers, launch)"),
+          ("ModelRunner", "collect", "wait for the tokens"),
+          ("Engine", "finish", "finish (wait + apply)"), ("Engine", "step", "engine step")]
+
+
+@contextlib.contextmanager
+def timed_phases():
+    """Wraps the engine's methods of PHASES; yields {phase: total seconds} while inside."""
+    from jaxinfer.engine import engine, runner, scheduler
+    owners = {"Scheduler": scheduler.Scheduler, "ModelRunner": runner.ModelRunner,
+              "Engine": engine.Engine}
+    totals, saved = collections.defaultdict(float), []
+
+    def timed(f, phase):
+        @functools.wraps(f)
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                totals[phase] += time.perf_counter() - t
+        return call
+
+    for owner, name, phase in PHASES:
+        cls = owners[owner]
+        raw = cls.__dict__[name]
+        saved.append((cls, name, raw))
+        f = raw.__func__ if isinstance(raw, staticmethod) else raw
+        setattr(cls, name, staticmethod(timed(f, phase)) if isinstance(raw, staticmethod)
+                else timed(f, phase))
+    try:
+        yield totals
+    finally:
+        for cls, name, raw in saved:
+            setattr(cls, name, raw)
+
 
 def main():
     ap = workload_parser(12, "engine steps per measurement", __doc__.split("\n")[0])
     ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the host's phases of an engine step (wall clock)")
     ap.add_argument("--sequence", type=int, default=0,
                     help="also save the first N kernels recorded, in order, to --json")
     args = ap.parse_args()
@@ -38,6 +86,15 @@ def main():
     t = time.perf_counter()
     tokens = run()
     wall = (time.perf_counter() - t) / tokens  # per generated token (all sequences)
+    per_step = {}
+    if args.phases:  # before CUPTI records anything: its hooks slow every launch after
+        with timed_phases() as totals:
+            run()
+        per_step = {phase: 1e3 * seconds / args.steps for phase, seconds in totals.items()}
+        per_step["apply (finish - wait)"] = (per_step.get("finish (wait + apply)", 0)
+                                             - per_step.get("wait for the tokens", 0))
+        per_step["host busy (step - wait)"] = (per_step.get("engine step", 0)
+                                               - per_step.get("wait for the tokens", 0))
     with recorded_kernels() as kernels:  # every kernel the engine's steps launch
         measured = run()
     busy = sum(ms for _, ms in kernels) / 1e3 / measured / devices
@@ -55,6 +112,11 @@ def main():
           f"wall {wall * 1e3:.3f} ms/token, kernels {busy * 1e3:.3f} ms/token, host overhead "
           f"{100 * (1 - busy / wall):.1f}%, weight floor {floor * 1e3:.3f} ms "
           f"({100 * floor / wall:.1f}% of it reached; copy {copy / 1e9:.0f} GB/s)")
+    if per_step:
+        result["host_phases_ms_per_step"] = per_step
+        print("| host phase | ms / engine step |\n| --- | --- |")
+        for phase, ms in per_step.items():
+            print(f"| {phase} | {ms:.3f} |")
     if args.top:
         print(kernel_table(kernels, args.top))
     if args.json:

@@ -176,3 +176,26 @@ def test_a_compile_without_memory_to_autotune_falls_back_untuned(cache):
                         lambda s: jax.tree.structure((0, 0)), "toy-oom-cpu", jax.devices()[:1])
     with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
         cpu.run(StepShape("sample", 8, 1, 4), np.zeros(8, np.float32))
+
+
+def test_runners_of_other_max_num_seqs_get_their_own_draw(cache):
+    """A draw's last-token slots follow max_num_seqs, which none of its arguments shows:
+    runners that differ only there sample one batch each from one executable cache, each
+    with a draw of its own (a shared one failed the next step's call)."""
+    from jaxinfer.engine.request import SamplingParams
+    from jaxinfer.engine.runner import ModelRunner
+    from jaxinfer.engine.scheduler import SeqChunk
+    from jaxinfer.loading.presets import preset_config, random_model
+
+    model = random_model(preset_config("tiny"), jnp.float32)
+    params = SamplingParams(temperature=0.9)
+    chunks = [SeqChunk(new_tokens=[3, 4, 5], num_cached=0, pages=[0], params=params)]
+    for max_num_seqs in (4, 64):
+        runner = ModelRunner(model, num_pages=8, page_size=16, max_model_len=64,
+                             max_num_seqs=max_num_seqs)
+        runner.step(chunks)
+        assert runner._prev_tokens.shape == (runner.prev_slots,)
+        decode = [SeqChunk(new_tokens=[0], num_cached=3, pages=[0], params=params,
+                           prev_row=0)]
+        (token,) = runner.step(decode).tokens[:, 0]  # takes the draw's last tokens
+        assert 0 <= token < preset_config("tiny").vocab_size

@@ -487,6 +487,67 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     assert steps.num_on_demand == 0
 
 
+def test_prepared_inputs_hold_each_chunk_where_its_rows_say():
+    """`prepare` (whole-array numpy) against a chunk-by-chunk fill of the same buckets, on
+    random prefills, decodes (some taking their token from the device) and penalized rows."""
+    rng = np.random.default_rng()
+    runner = ModelRunner(random_model(preset_config("tiny"), jnp.float32), num_pages=64,
+                         page_size=PAGE, max_model_len=64 * PAGE, max_num_seqs=16)
+    penalized = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1,
+                               repetition_penalty=1.3, frequency_penalty=0.5, ignore_eos=True)
+    chunks = []
+    for s in range(int(rng.integers(2, 12))):  # the first a decode, the second a prefill
+        n = 1 if s == 0 else int(rng.integers(2, 20)) if s == 1 or rng.random() < 0.5 else 1
+        cached = int(rng.integers(0, 40 * PAGE))
+        params = rng.choice([None, SamplingParams(temperature=float(rng.random())), penalized])
+        history = rng.integers(0, VOCAB, cached + n).tolist()
+        chunks.append(SeqChunk(
+            new_tokens=rng.integers(0, VOCAB, n).tolist(), num_cached=cached,
+            pages=rng.permutation(64)[:-(-(cached + n) // PAGE)].tolist(), params=params,
+            seed=int(rng.integers(2**31)), step=int(rng.integers(100)),
+            history=history if params is penalized else None, num_prompt=int(rng.integers(n)),
+            remaining=int(rng.integers(1, 50)),
+            prev_row=int(rng.integers(16)) if n == 1 and rng.random() < 0.5 or s == 0 else -1))
+    shape = runner.step_shape(chunks)
+    got = runner.prepare(chunks, shape)
+    want = runner.empty_inputs(shape)
+    t = 0
+    for s, c in enumerate(chunks):
+        n = len(c.new_tokens)
+        want.token_ids[t:t + n] = c.new_tokens
+        if c.prev_row >= 0:
+            want.token_ids[t], want.prev_rows[t] = 0, c.prev_row
+        want.positions[t:t + n] = range(c.num_cached, c.num_cached + n)
+        want.md.cu_q_lens[s + 1:] = t + n
+        want.md.kv_lens[s] = c.num_cached + n
+        want.md.page_indices[s, :len(c.pages)] = c.pages[:shape.pages_per_seq]
+        want.logits_indices[s], want.remaining[s] = t + n - 1, c.remaining
+        want.stops_on_eos[s] = c.params is None or not c.params.ignore_eos
+        if c.history is not None:
+            want.history[s, :len(c.history)], want.num_prompt[s] = c.history, c.num_prompt
+        p = c.params or SamplingParams(temperature=0)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            getattr(want.sampling, name)[s] = getattr(p, name)
+        want.sampling.top_k[s], want.sampling.seeds[s] = p.top_k, c.seed
+        want.sampling.steps[s] = c.step
+        t += n
+    want.md.num_seqs[0] = len(chunks)
+    assert shape.history > 0 or not any(c.history for c in chunks)
+    flat_want = jax.tree_util.tree_leaves_with_path(want)
+    flat_got = jax.tree_util.tree_leaves(got)
+    assert len(flat_want) == len(flat_got)
+    for (path, a), b in zip(flat_want, flat_got, strict=True):
+        np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
+        assert b.dtype == a.dtype, jax.tree_util.keystr(path)
+    # The step receives them packed in one int32 vector, and unpacks the same arrays.
+    layout = runner.layout(shape)
+    unpacked = jax.jit(layout.unpack)(layout.pack(got))
+    for (path, a), b in zip(flat_want, jax.tree_util.tree_leaves(unpacked), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), a, err_msg=jax.tree_util.keystr(path))
+        assert b.dtype == a.dtype, jax.tree_util.keystr(path)
+
+
 def test_a_batch_runs_the_program_of_its_token_bucket():
     """A batch pads its tokens to a power of two T, its sequence slots to min(T, the
     bucket of max_num_seqs (or, without one, of its own sequences)), its page table to at

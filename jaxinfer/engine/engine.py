@@ -267,6 +267,7 @@ class Engine(EngineInterface):
         out = self.runner.collect(pending)
         self.num_steps += 1
         scheduler, deltas = self.scheduler, []
+        sampled = out.tokens.tolist()  # at once: a numpy row's tolist per request costs more
         for s, (req, chunk) in enumerate(batch):
             if req.finished:  # ended (or aborted) while this batch ran: its row is dropped
                 continue
@@ -280,7 +281,7 @@ class Engine(EngineInterface):
             rows = ((None, None, None) if out.logprobs is None
                     else (out.logprobs[s], out.top_ids[s], out.top_logprobs[s]))
             tokens, logprobs = output.append_tokens(
-                req, out.tokens[s].tolist(), *rows, scheduler.remaining(req), self.eos_token_ids)
+                req, sampled[s], *rows, scheduler.remaining(req), self.eos_token_ids)
             self.num_computed_tokens += len(tokens) - 1
             self.num_generated_tokens += len(tokens)
             # Step j wrote the k/v of the token before its own: the last token's is not in.

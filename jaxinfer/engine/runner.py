@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -79,6 +80,43 @@ class StepInputs:
     # [T] int32: -1, or the row of the previous step whose sampled token is this token (it is
     # still on the device when this step is launched: `SeqChunk.prev_row`)
     prev_rows: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Where each array of a `StepInputs` lies in one int32 vector, which the host sends to
+    the device in one transfer (`pack`) and the step slices back apart (`unpack`): a
+    transfer per array (~25 of them) cost ~4 ms of the host's time a step, which the
+    overlapped steps need for the next step's planning. float32 arrays travel as their bits,
+    bool ones as 0 / 1. Static (a jit argument): the tree and each leaf's shape and dtype."""
+
+    treedef: jax.tree_util.PyTreeDef
+    leaves: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name) in tree order
+
+    @staticmethod
+    def of(inputs: StepInputs) -> PackedLayout:
+        leaves, treedef = jax.tree.flatten(inputs)
+        return PackedLayout(treedef, tuple((a.shape, a.dtype.name) for a in leaves))
+
+    def pack(self, inputs: StepInputs) -> np.ndarray:
+        """Host-side: the inputs' arrays as one int32 vector."""
+        return np.concatenate([
+            (a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False))
+            .ravel() for a in jax.tree.leaves(inputs)])
+
+    def unpack(self, words: jax.Array) -> StepInputs:
+        """In the step: the inputs back from `pack`'s vector."""
+        out, start = [], 0
+        for shape, dtype in self.leaves:
+            size = int(np.prod(shape))
+            a = words[start:start + size].reshape(shape)
+            start += size
+            if dtype == "float32":
+                a = jax.lax.bitcast_convert_type(a, jnp.float32)
+            elif dtype == "bool":
+                a = a != 0
+            out.append(a)
+        return jax.tree.unflatten(self.treedef, out)
 
 
 @dataclasses.dataclass
@@ -176,8 +214,9 @@ class ModelRunner:
         jit = dict(donate_argnums=(0,), out_shardings=(NamedSharding(self.mesh, P()),
                                                        kv_sharding),
                    compiler_options=options)
-        self._sample_step = jax.jit(self._sample, static_argnames=("num_steps", "with_logprobs"),
-                                    **jit)
+        self._sample_step = jax.jit(self._sample, static_argnames=(
+            "layout", "num_steps", "with_logprobs"), **jit)
+        self._layouts: dict[StepShape, PackedLayout] = {}
         # The last sampled token of each row of the latest sample step, which the next step
         # may take as its input tokens (`StepInputs.prev_rows`): it stays on the device.
         self.prev_slots = self.max_seq_slots or 1
@@ -187,9 +226,10 @@ class ModelRunner:
         self._prev_tokens = None
         self._draw_step = jax.jit(self._draw, static_argnames=("with_logprobs",),
                                   out_shardings=replicated, compiler_options=options)
-        self._logits_step = jax.jit(self._logits, **jit)
+        self._logits_step = jax.jit(self._logits, static_argnames=("layout",), **jit)
+        # prev_slots: the size of a draw's last tokens, which no argument of it shows.
         identity = repr((c, self.eos_token_ids, page_size, num_pages, jit["compiler_options"],
-                         batch_invariant,
+                         batch_invariant, self.prev_slots,
                          self.mesh.axis_names, self.mesh.devices.shape,
                          [d.id for d in self.mesh.devices.flat],
                          [(x.shape, x.dtype, x.sharding) for x in self.state_avals],
@@ -230,11 +270,13 @@ class ModelRunner:
         with jax.set_mesh(self.mesh), batch_invariant_mode(self.batch_invariant):
             if shape.kind == "draw":
                 return self._draw_step.trace(*args, with_logprobs=shape.with_logprobs).lower()
-            kv_cache, state_leaves, inputs, *prev_tokens = args
+            kv_cache, state_leaves, words, *prev_tokens = args
+            layout = self.layout(shape)
             if shape.kind == "logits":
-                return self._logits_step.trace(kv_cache, state_leaves, inputs).lower()
-            return self._sample_step.trace(kv_cache, state_leaves, inputs, *prev_tokens,
-                                           num_steps=shape.num_steps,
+                return self._logits_step.trace(kv_cache, state_leaves, words,
+                                               layout=layout).lower()
+            return self._sample_step.trace(kv_cache, state_leaves, words, *prev_tokens,
+                                           layout=layout, num_steps=shape.num_steps,
                                            with_logprobs=shape.with_logprobs).lower()
 
     def example_args(self, shape: StepShape) -> tuple:
@@ -246,9 +288,17 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((shape.num_seqs, self.config.vocab_size), jnp.float32,
                                           sharding=self._prev_aval.sharding)
             return logits, inputs.sampling, inputs.history, inputs.num_prompt
+        words = self.layout(shape).pack(inputs)
         if shape.kind == "logits":
-            return self.kv_avals, weights, inputs
-        return self.kv_avals, weights, inputs, self._prev_aval
+            return self.kv_avals, weights, words
+        return self.kv_avals, weights, words, self._prev_aval
+
+    def layout(self, shape: StepShape) -> PackedLayout:
+        """How a batch of this shape's inputs are packed (`PackedLayout`)."""
+        key = dataclasses.replace(shape, kind="sample", num_steps=1, with_logprobs=False)
+        if (layout := self._layouts.get(key)) is None:
+            layout = self._layouts[key] = PackedLayout.of(self.empty_inputs(shape))
+        return layout
 
     def _out_tree(self, shape: StepShape):
         if shape.kind == "draw":
@@ -262,12 +312,13 @@ class ModelRunner:
     def _model(self, state_leaves) -> Decoder:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_treedef, state_leaves))
 
-    def _logits(self, kv_cache, state_leaves, inputs: StepInputs):
+    def _logits(self, kv_cache, state_leaves, words, *, layout: PackedLayout):
+        inputs: StepInputs = layout.unpack(words)
         model = self._model(state_leaves)
         hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, inputs.md)
         return model.logits(hidden), kv_cache
 
-    def _sample(self, kv_cache, state_leaves, inputs: StepInputs, prev_tokens, *,
+    def _sample(self, kv_cache, state_leaves, words, prev_tokens, *, layout: PackedLayout,
                 num_steps: int, with_logprobs: bool):
         """One forward + sample, or num_steps of them for a decode-only batch (one token per
         sequence) in a while loop that exits once every sequence has finished. prev_tokens
@@ -275,7 +326,9 @@ class ModelRunner:
         inputs.prev_rows says. Returns ((tokens [S, N], logprobs [S, N], top ids and
         logprobs [S, N, K], each row's last token [prev_slots]), the KV cache); one step
         (N = 1) takes the greedy tokens and also returns its logits [S, V] f32, which
-        `_draw` samples from when a row of the batch samples (`_run`)."""
+        `_draw` samples from when a row of the batch samples (`_run`). words: the
+        batch's `StepInputs`, packed (`PackedLayout`)."""
+        inputs: StepInputs = layout.unpack(words)
         model = self._model(state_leaves)
         vocab, S = self.config.vocab_size, inputs.logits_indices.shape[0]
         from_prev = inputs.prev_rows >= 0
@@ -464,28 +517,41 @@ class ModelRunner:
 
     def prepare(self, chunks: list[SeqChunk], shape: StepShape) -> StepInputs:
         """Host-side: the batch padded to its shape's buckets (numpy; one transfer per
-        array)."""
+        array). Whole-array operations over per-chunk lists: the host prepares a step while
+        the device runs the one before, and a few numpy item writes per chunk cost ~3 ms a
+        step at 256 sequences."""
         x = self.empty_inputs(shape)
-        md = x.md
-        t = 0
-        for s, c in enumerate(chunks):
-            n = len(c.new_tokens)
-            x.token_ids[t:t + n] = c.new_tokens
-            if c.prev_row >= 0:  # its first token is still on the device
-                x.token_ids[t], x.prev_rows[t] = 0, c.prev_row
-            x.positions[t:t + n] = np.arange(c.num_cached, c.num_cached + n)
-            md.cu_q_lens[s + 1] = t + n
-            md.kv_lens[s] = c.num_cached + n
-            md.page_indices[s, :len(c.pages)] = c.pages[:shape.pages_per_seq]
-            x.logits_indices[s] = t + n - 1
-            x.remaining[s] = c.remaining
-            x.stops_on_eos[s] = c.params is None or not c.params.ignore_eos
-            if shape.history and c.history is not None:
-                x.history[s, :len(c.history)] = c.history
-                x.num_prompt[s] = c.num_prompt
-            t += n
-        md.cu_q_lens[len(chunks) + 1:] = t
-        md.num_seqs[0] = len(chunks)
+        md, n, P = x.md, len(chunks), shape.pages_per_seq
+        # One pass over the chunks for their numbers: [n, 6] int32 columns.
+        q_lens, cached, prev, num_pages, remaining, stops_on_eos = np.array(
+            [(len(c.new_tokens), c.num_cached, c.prev_row, min(len(c.pages), P), c.remaining,
+              c.params is None or not c.params.ignore_eos) for c in chunks],
+            np.int32).reshape(n, 6).T
+        ends = np.cumsum(q_lens, dtype=np.int32)
+        T = int(ends[-1]) if n else 0
+        starts = ends - q_lens
+        x.token_ids[:T] = list(itertools.chain.from_iterable(c.new_tokens for c in chunks))
+        # Token t of chunk s is at position cached[s] + (t - starts[s]).
+        x.positions[:T] = np.arange(T, dtype=np.int32) + np.repeat(cached - starts, q_lens)
+        taken = prev >= 0  # its first token is still on the device
+        x.token_ids[starts[taken]] = 0
+        x.prev_rows[starts[taken]] = prev[taken]
+        md.cu_q_lens[1:n + 1] = ends
+        md.cu_q_lens[n + 1:] = T
+        md.kv_lens[:n] = cached + q_lens
+        md.num_seqs[0] = n
+        # Row s's first num_pages[s] entries, in row order: the chunks' page lists laid end
+        # to end.
+        md.page_indices[:n][np.arange(P) < num_pages[:, None]] = list(
+            itertools.chain.from_iterable(c.pages[:P] for c in chunks))
+        x.logits_indices[:n] = ends - 1
+        x.remaining[:n] = remaining
+        x.stops_on_eos[:n] = stops_on_eos
+        if shape.history:
+            for s, c in enumerate(chunks):
+                if c.history is not None:
+                    x.history[s, :len(c.history)] = c.history
+                    x.num_prompt[s] = c.num_prompt
         sampling = SamplingTensors.build([c.params for c in chunks], [c.seed for c in chunks],
                                          [c.step for c in chunks], shape.num_seqs)
         return dataclasses.replace(x, sampling=sampling)
@@ -547,7 +613,8 @@ class ModelRunner:
                 self.steps.prefetch(shape)
             # Arguments in this order: the KV pages (allocated on first use), then the
             # weights (waited for), then the program (waited for, or compiled) runs.
-            args = [self.kv_cache, self.state_leaves, multihost.to_global(inputs, self.mesh)]
+            args = [self.kv_cache, self.state_leaves,
+                    multihost.to_global(self.layout(shape).pack(inputs), self.mesh)]
             if kind == "sample":
                 if self._prev_tokens is None:
                     self._prev_tokens = jax.device_put(np.zeros(self.prev_slots, np.int32),
