@@ -255,7 +255,8 @@ def throughput(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_util
                 f"{r['output_tokens_per_s']:.1f} output tokens/s, "
                 f"{r['requests_per_s']:.2f} requests/s, {r['seconds']:.1f} s; decode-only "
                 f"steps {decode:.1f} tokens/s = {100 * decode / max(roof, 1e-9):.1f}% of their "
-                f"roofline ({roof:.0f} tokens/s)")
+                f"roofline ({roof:.0f} tokens/s); host garbage collection "
+                f"{1e3 * r['gc_seconds']:.0f} ms ({r['gc_full_collections']} full)")
     _report("throughput", ceilings, rows, headline, r, json_path, record)
 
 

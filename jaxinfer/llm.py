@@ -17,7 +17,7 @@ from jaxinfer.compile_helpers import MAX_HELPERS, CompileHelpers, RunnerSettings
 from jaxinfer.engine import multihost
 from jaxinfer.engine.compiled_steps import executable_cache_dir
 from jaxinfer.engine.defaults import engine_defaults
-from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine
+from jaxinfer.engine.engine import Engine, EngineInterface, ReplicatedEngine, heap_frozen
 from jaxinfer.engine.memory_profile import StepMemory, profile_step_memory
 from jaxinfer.engine.request import Request, RequestDelta, SamplingParams, TokenLogprob
 from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner
@@ -385,8 +385,9 @@ class LLM:
         try:
             for p, sp in zip(prompts, params, strict=True):
                 requests.append(self.engine.add_request(self._prompt_ids(p), sp))
-            while self.engine.has_unfinished():
-                self.engine.step()
+            with heap_frozen():
+                while self.engine.has_unfinished():
+                    self.engine.step()
         except BaseException:
             for r in requests:
                 self.engine.abort(r)

@@ -654,6 +654,31 @@ def test_gpu_steps_over_finite_garbage_pages_match_zeroed_pages():
         assert outs[0] == outs[1], steps
 
 
+def test_generate_runs_with_the_heap_frozen_and_leaves_it_collectable():
+    """`LLM.generate` steps with the objects alive before it out of the garbage collector's
+    sight (no full collection walks the model and programs mid-run); afterwards nothing is
+    frozen, so an engine dropped later is collected."""
+    import gc
+    import weakref
+
+    llm = LLM(random_model(preset_config("tiny"), jnp.float32), kv_cache_bytes=1 << 20)
+    frozen, step = [], llm.engine.step
+
+    def step_seeing_the_heap():  # (frozen objects, objects the collector tracks)
+        frozen.append((gc.get_freeze_count(), len(gc.get_objects())))
+        return step()
+
+    llm.engine.step = step_seeing_the_heap
+    out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3))
+    assert len(out[0].token_ids) == 3
+    assert frozen and all(f > tracked for f, tracked in frozen)
+    assert gc.get_freeze_count() == 0
+    engine = weakref.ref(llm.engine)
+    del llm, step, step_seeing_the_heap, out
+    gc.collect()
+    assert engine() is None
+
+
 def test_logits_run_in_programs_of_bounded_tokens():
     """`LLM.logits` runs at most `logits_rows` tokens a program: prompts share one while
     they fit, a longer prompt runs in chunks over its pages. The logits equal those of one

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.benchmarks.harness import Ceilings, roofline
+from jaxinfer.benchmarks.harness import Ceilings, gc_pauses, roofline
+from jaxinfer.engine.engine import heap_frozen
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.loading.weights import active_weight_count, step_reads, weight_bytes
 from jaxinfer.sharding import MeshSpec
@@ -150,7 +151,8 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     # A first pass with other prompts of the same lengths compiles every step shape the
     # workload touches; the same prompts again would hit the prefix cache and skip prefill.
     run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
-    tot = run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
+    with gc_pauses() as pauses, heap_frozen():  # as LLM.generate and the server run
+        tot = run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
     a, d = tot["all"], tot["decode"]
     summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
                "page_size": llm.runner.page_size,
@@ -161,7 +163,11 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
                "requests_per_s": num_requests / a["seconds"], "devices": devices,
                "floor_seconds": a["floor"], "decode_steps_run": d["steps"],
                "decode_tokens_per_s": d["tokens"] / d["seconds"] if d["steps"] else 0.0,
-               "decode_roofline_tokens_per_s": d["tokens"] / d["floor"] if d["steps"] else 0.0}
+               "decode_roofline_tokens_per_s": d["tokens"] / d["floor"] if d["steps"] else 0.0,
+               # the host's garbage collections in the timed pass: count and seconds
+               "gc_collections": sum(n for n, _ in pauses.values()),
+               "gc_full_collections": pauses[2][0], "gc_seconds": sum(
+                   t for _, t in pauses.values())}
     rows = [roofline(f"whole run ({a['steps']} steps, {a['tokens']} output tokens, {devices} "
                      f"device{'s' if devices > 1 else ''})", a["seconds"], a["bytes"],
                      a["flops"], cd, floor=a["floor"])]

@@ -100,6 +100,30 @@ def recorded_kernels():
         kernels.extend(cupti._cupti_get_timings(True))
 
 
+@contextlib.contextmanager
+def gc_pauses():
+    """Yields {generation: [collections, seconds]} of the garbage collector's runs while
+    inside (gc.callbacks): a collection holds the thread that drives the device."""
+    import gc
+
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    started = [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            t = totals[info["generation"]]
+            t[0] += 1
+            t[1] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(callback)
+    try:
+        yield totals
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def convert_in_child_process(source: str, dest: str, dtype: str) -> tuple[float, int]:
     """`jaxinfer.loading.checkpoint.convert(source, dest, dtype)` run by a child process, so
     that its peak memory is the conversion's alone: (wall seconds of the conversion, the

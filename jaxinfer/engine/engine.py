@@ -17,7 +17,9 @@ one more token in the next batch, dropped when that batch finishes.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import gc
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -29,6 +31,22 @@ from jaxinfer.engine.runner import ModelRunner, PendingStep
 from jaxinfer.engine.scheduler import PENDING_TOKEN, Scheduler, SeqChunk
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.tokenizer import Tokenizer
+
+
+@contextlib.contextmanager
+def heap_frozen():
+    """While inside: the objects alive on entry (the model's tree, the programs, jax's
+    caches) are out of the garbage collector's sight (gc.freeze, as vLLM and SGLang do once
+    a server is up). A full collection walks every tracked object: with these it held the
+    thread that drives the device for ~0.1 s every few hundred steps. Objects made inside
+    are collected as usual; on exit every object is again (gc.unfreeze), so an engine
+    dropped later is collected too."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
 
 # A dispatched batch: its requests and chunks, and the runner's pending step.
 Launched = tuple[list[tuple[Request, SeqChunk]], PendingStep]

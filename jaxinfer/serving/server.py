@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from jaxinfer.engine.engine import heap_frozen
 from jaxinfer.errors import JaxinferError
 from jaxinfer.loading.weights import active_weight_count, step_reads, weight_bytes, weight_count
 from jaxinfer.serving.metrics import Metrics
@@ -187,6 +188,11 @@ class EngineBridge:
     def _run(self):
         if not self._start_up():
             return
+        with heap_frozen():  # the model and programs, made by now
+            self._serve()
+        self._fail_all(EngineFailure("the server is shutting down"))
+
+    def _serve(self):
         while not self._stopping:
             self._wake.clear()  # before draining: a command sent after this sets it again
             try:
@@ -200,7 +206,6 @@ class EngineBridge:
                 continue
             if not self.engine.has_unfinished():
                 self._wake.wait()
-        self._fail_all(EngineFailure("the server is shutting down"))
 
     def _drain_commands(self):
         while True:
