@@ -473,8 +473,8 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     steps = llm.runner.steps
     # One page bucket (the narrowest is wider than the 7 pages a sequence can have): token
     # buckets 1..64, the 4-step decodes of 1, 2 and 4 sequences, and the draws of 1, 2 and
-    # 4 sequence slots (a one-step batch that samples).
-    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 7 + 3 + 3
+    # 4 sequence slots (a one-step batch that samples), with and without the filters.
+    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 7 + 3 + 2 * 3
     assert steps.num_on_demand == 0
     assert not any(llm.engine.scheduler.pool.ref)
     rng = np.random.default_rng()
@@ -484,6 +484,8 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     # decodes of 4..1 sequences: nothing compiled on demand; nor for requests that sample.
     assert steps.num_on_demand == 0
     llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True))
+    llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10,
+                                         ignore_eos=True))
     assert steps.num_on_demand == 0
 
 
@@ -602,9 +604,11 @@ def test_every_batch_within_the_limits_runs_a_warmed_program(max_num_seqs, budge
     tokens = {s.num_tokens for s in one_step}
     assert tokens == {1 << i for i in range((budget - 1).bit_length() + 1)}
     assert len(one_step) == len(tokens)
-    # and the draw of each one's sequence slots, for batches that sample
+    # and the draws of each one's sequence slots, for batches that sample: from the whole
+    # distribution, and with top-k / top-p / min-p
     assert {s for s in warm if s.kind == "draw"} == {
-        StepShape("draw", s.num_seqs, s.num_seqs, 0) for s in one_step}
+        StepShape("draw", s.num_seqs, s.num_seqs, 0, filtered=f)
+        for s in one_step for f in (False, True)}
     rng = np.random.default_rng()
     for _ in range(300):
         n = int(rng.integers(1, max_num_seqs + 1))
@@ -623,7 +627,9 @@ def test_every_batch_within_the_limits_runs_a_warmed_program(max_num_seqs, budge
         shape = runner.step_shape(chunks, steps)
         assert shape in warm, (shape, [len(c.new_tokens) for c in chunks])
         if steps == 1:
-            assert StepShape("draw", shape.num_seqs, shape.num_seqs, 0) in warm
+            for filtered in (False, True):
+                assert StepShape("draw", shape.num_seqs, shape.num_seqs, 0,
+                                 filtered=filtered) in warm
 
 
 @pytest.mark.gpu
@@ -662,11 +668,11 @@ def test_generate_runs_with_the_heap_frozen_and_leaves_it_collectable():
     import weakref
 
     llm = LLM(random_model(preset_config("tiny"), jnp.float32), kv_cache_bytes=1 << 20)
-    frozen, step = [], llm.engine.step
+    frozen, steps = [], [llm.engine.step]
 
     def step_seeing_the_heap():  # (frozen objects, objects the collector tracks)
         frozen.append((gc.get_freeze_count(), len(gc.get_objects())))
-        return step()
+        return steps[0]()
 
     llm.engine.step = step_seeing_the_heap
     out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3))
@@ -674,7 +680,8 @@ def test_generate_runs_with_the_heap_frozen_and_leaves_it_collectable():
     assert frozen and all(f > tracked for f, tracked in frozen)
     assert gc.get_freeze_count() == 0
     engine = weakref.ref(llm.engine)
-    del llm, step, step_seeing_the_heap, out
+    steps.clear()
+    del llm, step_seeing_the_heap, out
     gc.collect()
     assert engine() is None
 

@@ -282,7 +282,7 @@ def test_a_steps_memory_does_not_depend_on_the_pool_size():
     shapes = probe_shapes(runners[0], 8, 64, 4)
     assert [(s.kind, s.num_steps) for s in shapes] == [("sample", 1), ("sample", 4),
                                                         ("draw", 1)]
-    assert shapes[0].num_tokens == 64 and shapes[2].num_seqs == 8
+    assert shapes[0].num_tokens == 64 and shapes[2].num_seqs == 8 and shapes[2].filtered
     for shape in shapes:
         small, large = (r.steps.memory(shape) for r in runners)
         assert small == large and small.temp_bytes > 0, (shape, small, large)

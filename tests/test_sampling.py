@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -241,6 +243,44 @@ def test_chi_square_detects_wrong_distribution():
     ids = draw(np.tile(row, (n, 1)), 1.0, 0, 1.0, 1234, np.arange(n))
     assert chi_square(ids, allowed_probs(row, 1.0, 0, 1.0))[0] < CHI2_999[5]
     assert chi_square(ids, allowed_probs(row, 2.0, 0, 1.0))[0] > CHI2_999[5]
+
+
+_sample_whole = jax.jit(functools.partial(sample, filtered=False))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 2.0])
+def test_the_draw_without_filters_matches_softmax(temperature):
+    """`filtered=False` (no row sets top_k, top_p or min_p: no vocabulary sort) draws from
+    the whole softmax, and for the same keys the tokens of the sorted draw, greedy rows
+    left alone."""
+    rng = np.random.default_rng()
+    vocab, n = 6, 2000
+    row = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    t = tensors(n, temperature, 0, 1.0, 1234, np.arange(n))
+    ids = np.asarray(_sample_whole(np.tile(row, (n, 1)), t))
+    stat, dof = chi_square(ids, allowed_probs(row, temperature, 0, 1.0))
+    assert stat < CHI2_999[dof], (stat, np.bincount(ids, minlength=vocab) / n)
+    S, vocab = 256, 1000
+    logits = (rng.standard_normal((S, vocab)) * 3).astype(np.float32)
+    temps = np.where(rng.random(S) < 0.25, 0.0, temperature).astype(np.float32)
+    t = tensors(S, temps, 0, 1.0, rng.integers(0, 2**31 - 1, S), rng.integers(0, 999, S))
+    whole = np.asarray(_sample_whole(logits, t))
+    np.testing.assert_array_equal(whole, np.asarray(_sample(logits, t)))
+    np.testing.assert_array_equal(whole[temps == 0], logits[temps == 0].argmax(-1))
+    assert (whole[temps > 0] != logits[temps > 0].argmax(-1)).any()
+
+
+def test_a_batch_filters_when_a_sampled_row_sets_a_filter():
+    S = 4
+    assert not tensors(S, 0.8).filters()
+    assert not tensors(S, 0.0, top_k=5, top_p=0.5, min_p=0.1).filters()  # greedy rows
+    for filters in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.05)):
+        t = tensors(S, 0.8)
+        for name, value in filters.items():
+            getattr(t, name)[2] = value
+        assert t.filters(), filters
+        t.temperature[2] = 0.0
+        assert not t.filters(), filters
 
 
 @pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])

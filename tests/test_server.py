@@ -679,8 +679,9 @@ def test_health_answers_during_warmup_and_nothing_compiles_after_ready(qwen3_con
         assert httpx.get(f"{url}/health").json() == {"status": "ready"}
         before = server.metrics()
         # Token buckets 1, 2, 4, ..., 64, at the one page table of 2048 tokens, and the
-        # draws of 1, 2 and 4 sequence slots (the batches that sample, below).
-        assert before["jaxinfer_step_programs_compiled_total"] == 7 + 3
+        # draws of 1, 2 and 4 sequence slots (the batches that sample, below), with and
+        # without the filters.
+        assert before["jaxinfer_step_programs_compiled_total"] == 7 + 2 * 3
         rng = np.random.default_rng()
         prompt = rng.integers(2, VOCAB, 20).tolist()
         out = server.client.completions.create(model=str(qwen3_converted), prompt=prompt,
@@ -700,7 +701,7 @@ def test_health_answers_during_warmup_and_nothing_compiles_after_ready(qwen3_con
         assert [o.usage.completion_tokens for o in outs] == [24, 24, 24]
         after = server.wait_idle()
         assert after["jaxinfer_step_programs_compiled_on_demand_total"] == 0
-        assert after["jaxinfer_step_programs_compiled_total"] == 7 + 3
+        assert after["jaxinfer_step_programs_compiled_total"] == 7 + 2 * 3
     finally:
         proc.terminate()
         proc.wait(30)

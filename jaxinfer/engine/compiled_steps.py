@@ -45,13 +45,16 @@ DEFAULT_MAX_CACHE_GB = 8.0
 class StepShape:
     """The static signature of one step program: its buckets and static options.
 
-      kind           "sample" (forward + sampling) or "logits" (forward, every row's logits)
+      kind           "sample" (forward + sampling), "logits" (forward, every row's logits)
+                     or "draw" (the draw from a one-step batch's logits)
       num_tokens     T: token rows
       num_seqs       S: sequence slots
       pages_per_seq  P: page-table columns
       history        L: token-history columns (0: no penalties in the batch)
       num_steps      decode steps in one call (1: one forward)
       with_logprobs  whether the program returns logprobs
+      filtered       a draw's rows may set top_k, top_p or min_p (a vocabulary sort; without:
+                     the whole distribution, no sort)
     """
 
     kind: str
@@ -61,6 +64,7 @@ class StepShape:
     history: int = 0
     num_steps: int = 1
     with_logprobs: bool = False
+    filtered: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ def probe_shapes(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens:
     largest = [s for _, s in sorted(by_steps.items())]
     draws = [s for s in shapes if s.kind == "draw"]
     if draws:
-        largest.append(max(draws, key=lambda s: s.num_seqs))
+        largest.append(max(draws, key=lambda s: (s.num_seqs, s.filtered)))  # the sort's
     return [dataclasses.replace(s, with_logprobs=True) for s in largest]
 
 

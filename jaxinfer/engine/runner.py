@@ -224,7 +224,7 @@ class ModelRunner:
         self._prev_aval = jax.ShapeDtypeStruct((self.prev_slots,), jnp.int32,
                                                sharding=replicated)
         self._prev_tokens = None
-        self._draw_step = jax.jit(self._draw, static_argnames=("with_logprobs",),
+        self._draw_step = jax.jit(self._draw, static_argnames=("with_logprobs", "filtered"),
                                   out_shardings=replicated, compiler_options=options)
         self._logits_step = jax.jit(self._logits, static_argnames=("layout",), **jit)
         # prev_slots: the size of a draw's last tokens, which no argument of it shows.
@@ -269,7 +269,8 @@ class ModelRunner:
     def lower(self, shape: StepShape, *args) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh), batch_invariant_mode(self.batch_invariant):
             if shape.kind == "draw":
-                return self._draw_step.trace(*args, with_logprobs=shape.with_logprobs).lower()
+                return self._draw_step.trace(*args, with_logprobs=shape.with_logprobs,
+                                             filtered=shape.filtered).lower()
             kv_cache, state_leaves, words, *prev_tokens = args
             layout = self.layout(shape)
             if shape.kind == "logits":
@@ -419,13 +420,14 @@ class ModelRunner:
                  last_tokens(state.out_tokens, S, self.prev_slots)), state.kv_cache)
 
     def _draw(self, logits, sampling: SamplingTensors, history, num_prompt, *,
-              with_logprobs: bool):
+              with_logprobs: bool, filtered: bool):
         """The draw of a one-step batch that samples (`sample`), from the step's logits
-        [S, V] f32: its tokens, logprobs and last tokens as the step returns them."""
+        [S, V] f32: its tokens, logprobs and last tokens as the step returns them.
+        filtered: some row sets top_k, top_p or min_p (`SamplingTensors.filters`)."""
         S, vocab = logits.shape
         seen, counts = ((None, None) if history.shape[1] == 0
                         else token_counts(history, num_prompt, vocab))
-        tokens = sample(logits, sampling, seen, counts, skip_draw=False)
+        tokens = sample(logits, sampling, seen, counts, skip_draw=False, filtered=filtered)
         if with_logprobs:
             lp = logprobs_of(logits, tokens, MAX_LOGPROBS)
         else:
@@ -496,9 +498,11 @@ class ModelRunner:
                         chunks = [SeqChunk(new_tokens=[0], num_cached=context, pages=[],
                                            remaining=decode_steps)] * t
                         shapes.add(self.step_shape(chunks, decode_steps))
-        # The draw of each one-step batch's sequence slots, for batches that sample (`_run`).
-        shapes |= {StepShape("draw", s.num_seqs, s.num_seqs, 0) for s in list(shapes)
-                   if s.kind == "sample" and s.num_steps == 1}
+        # The draws of each one-step batch's sequence slots, for batches that sample
+        # (`_run`): from the whole distribution, and with the filters.
+        shapes |= {StepShape("draw", s.num_seqs, s.num_seqs, 0, filtered=filtered)
+                   for s in list(shapes) if s.kind == "sample" and s.num_steps == 1
+                   for filtered in (False, True)}
         return sorted(shapes)
 
     def empty_inputs(self, shape: StepShape) -> StepInputs:
@@ -625,7 +629,8 @@ class ModelRunner:
                 logits, out = out[5], out[:5]
                 if np.any(inputs.sampling.temperature > 0):  # the host knows: no conditional
                     s = inputs.sampling.temperature.shape[0]
-                    draw = StepShape("draw", s, s, 0, shape.history, 1, with_logprobs)
+                    draw = StepShape("draw", s, s, 0, shape.history, 1, with_logprobs,
+                                     inputs.sampling.filters())
                     out = self.steps.run(draw, logits, *multihost.to_global(
                         (inputs.sampling, inputs.history, inputs.num_prompt), self.mesh))
             if kind == "sample":
