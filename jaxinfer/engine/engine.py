@@ -36,8 +36,8 @@ from jaxinfer.loading.tokenizer import Tokenizer
 @contextlib.contextmanager
 def heap_frozen():
     """While inside: the objects alive on entry (the model's tree, the programs, jax's
-    caches) are out of the garbage collector's sight (gc.freeze, as vLLM and SGLang do once
-    a server is up). A full collection walks every tracked object: with these it held the
+    caches) are out of the garbage collector's sight (gc.freeze, as vLLM does once its
+    engine is up). A full collection walks every tracked object: with these it held the
     thread that drives the device for ~0.1 s every few hundred steps. Objects made inside
     are collected as usual; on exit every object is again (gc.unfreeze), so an engine
     dropped later is collected too."""

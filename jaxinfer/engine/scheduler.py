@@ -114,7 +114,7 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_cached == len(r.all_ids) - 1]
         prefilling = [r for r in self.running if r.num_cached < len(r.all_ids) - 1]
         # The running requests as a set once this loop preempts one (None before: every
-        # request listed still runs); a list scan per request cost ~1 ms at 256.
+        # request listed still runs): a list scan per request is quadratic in them.
         preemptions, running = self.num_preemptions, None
         for req in sorted(decoding, key=lambda r: r.id) + sorted(prefilling, key=lambda r: r.id):
             if self.num_preemptions != preemptions:
