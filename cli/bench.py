@@ -237,10 +237,15 @@ def latency(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utiliza
               help="Longest prompt: lengths are uniform in [len / 2, len] (random token ids).")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True,
               help="Tokens generated per request (EOS ignored).")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature of every request (0: greedy; vLLM's throughput "
+                   "benchmark samples at 1.0).")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0,
+              show_default=True, help="top_p of every request (1: no filter).")
 def throughput(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_utilization,
                kv_cache_dtype, batch_invariant, max_num_seqs, max_num_batched_tokens,
                decode_steps, page_size, json_path, record, profile, mesh, num_requests,
-               input_len, output_len):
+               input_len, output_len, temperature, top_p):
     """Offline throughput: N requests at once; output tokens/s."""
     _check_model_args(model_path, preset, quantize)
     _check_outputs(json=json_path, record=record)
@@ -249,9 +254,11 @@ def throughput(model_path, preset, dtype, quantize, kv_cache_gb, gpu_memory_util
                 max_num_seqs, max_num_batched_tokens, decode_steps, page_size, mesh, quantize,
                 batch_invariant)
     with _profiled(profile):
-        r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings)
+        r, rows = bench_throughput(llm, num_requests, input_len, output_len, ceilings,
+                                   temperature=temperature, top_p=top_p)
     decode, roof = r["decode_tokens_per_s"], r["decode_roofline_tokens_per_s"]
-    headline = (f"{r['num_requests']} requests (in <= {input_len}, out {output_len}): "
+    sampled = f", temperature {temperature}, top_p {top_p}" if temperature > 0 else ""
+    headline = (f"{r['num_requests']} requests (in <= {input_len}, out {output_len}{sampled}): "
                 f"{r['output_tokens_per_s']:.1f} output tokens/s, "
                 f"{r['requests_per_s']:.2f} requests/s, {r['seconds']:.1f} s; decode-only "
                 f"steps {decode:.1f} tokens/s = {100 * decode / max(roof, 1e-9):.1f}% of their "

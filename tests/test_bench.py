@@ -143,9 +143,11 @@ def test_weight_counts_moe():
 def test_bench_throughput_tiny(tmp_path):
     data = _run(["throughput", "--preset", "tiny", "--num-requests", "6", "--input-len", "12",
                  "--output-len", "4", "--kv-cache-gb", "0.01", "--decode-steps", "2",
-                 "--page-size", "8", "--profile", str(tmp_path / "trace")], tmp_path)
+                 "--page-size", "8", "--temperature", "0.7", "--profile",
+                 str(tmp_path / "trace")], tmp_path)
     assert data["num_requests"] == 6 and data["output_tokens_per_s"] > 0 and data["steps"] > 0
-    assert data["page_size"] == 8
+    assert data["page_size"] == 8 and (data["temperature"], data["top_p"]) == (0.7, 1.0)
+    assert data["gc_collections"] >= data["gc_full_collections"] >= 0 <= data["gc_seconds"]
     # Every output token counted once; after the prefills, decode-only steps of 2 iterations.
     assert data["output_tokens"] == 6 * 4 and 0 < data["decode_tokens"] < 6 * 4
     # Every prompt token runs once (no prefix hits: fresh prompts), then every output token

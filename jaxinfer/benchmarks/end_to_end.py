@@ -78,8 +78,10 @@ def kv_itemsize(llm) -> int:
 
 
 def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
-                     ceilings: Ceilings, seed: int = 0) -> tuple[dict, list[dict]]:
-    """Offline: num_requests prompts, lengths uniform in [input_len/2, input_len], all at once.
+                     ceilings: Ceilings, seed: int = 0, temperature: float = 0.0,
+                     top_p: float = 1.0) -> tuple[dict, list[dict]]:
+    """Offline: num_requests prompts, lengths uniform in [input_len/2, input_len], all at once;
+    greedy unless temperature > 0 (vLLM's throughput benchmark samples at temperature 1).
 
     Each engine step is timed and given its own floor, the slower of its FLOPs (2 x active
     weights per token run, plus attention) at the matmul rate and its bytes (the weights
@@ -90,7 +92,8 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     rng = np.random.default_rng(seed)
     c, engine = llm.config, llm.engine
     lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=output_len,
+                            ignore_eos=True)
     kv_token = c.kv_bytes_per_token(kv_itemsize(llm))
     reads = step_reads(llm.model)
     # Read once per device iteration (MoE: ~the experts a step of every request hits) ...
@@ -155,7 +158,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
         tot = run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
     a, d = tot["all"], tot["decode"]
     summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
-               "page_size": llm.runner.page_size,
+               "temperature": temperature, "top_p": top_p, "page_size": llm.runner.page_size,
                "seconds": a["seconds"], "steps": a["steps"], "output_tokens": a["tokens"],
                "decode_tokens": d["tokens"], "prompt_tokens": int(sum(lens)),
                "tokens_run": a["queries"],
