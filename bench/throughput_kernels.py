@@ -28,12 +28,13 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--kv-cache-gb", type=float, default=24)
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="default: --num-requests")
     ap.add_argument("--top", type=int, default=20)
     args = ap.parse_args()
     config = preset_config(args.preset)
     llm = LLM(random_model(config, jnp.bfloat16), kv_cache_bytes=int(args.kv_cache_gb * 2**30),
               max_model_len=args.input_len + args.output_len + 16,
-              max_num_seqs=args.num_requests,
+              max_num_seqs=args.max_num_seqs or args.num_requests,
               max_num_batched_tokens=args.max_num_batched_tokens,
               decode_steps=args.decode_steps)
     rng = np.random.default_rng(0)

@@ -507,43 +507,50 @@ def _tile_queries(q, work, group: int, cfg: Config):
     """q [T, Hq, D] -> per-entry query tiles [Hkv, entries, wgs * R, D] (dead rows 0).
 
     Tiles, not q itself, because a TMA load into tiled shared memory needs a
-    tile-aligned global offset, which a ragged token start is not.
+    tile-aligned global offset, which a ragged token start is not. One gather of whole
+    D-element rows of q viewed as [T * Hq, D] (dead rows index past its end and read 0):
+    XLA copies each row as one contiguous slice, where a gather indexed by token and head
+    separately, then masked and transposed, took ~3x the tiles' bytes at the copy rate.
     """
     T, Hq, D = q.shape
-    # The [entries, rows] indices computed once, behind a barrier: fused into the gather,
-    # XLA recomputed the work list's cumulative sums for every element of the tiles (with
-    # the q prologue fused in too, ~15 us a layer at 256 decodes).
-    token, g, live = jax.lax.optimization_barrier(_tile_rows(work, group, cfg))
-    qg = q.reshape(T, Hq // group, group, D)
-    tiles = qg[jnp.clip(token, 0, T - 1), :, g]  # [entries, rows, Hkv, D]
-    tiles = jnp.where(live[..., None, None], tiles, 0)
-    return tiles.transpose(2, 0, 1, 3)
+    token, g, live = _tile_rows(work, group, cfg)  # [entries, rows]
+    h = jnp.arange(Hq // group, dtype=jnp.int32)[:, None, None]
+    row = jnp.where(live[None], token[None] * Hq + h * group + g[None], T * Hq)
+    # The indices computed once, behind a barrier: fused into the gather, XLA recomputed
+    # the work list's cumulative sums for every element of the tiles.
+    row = jax.lax.optimization_barrier(row.astype(jnp.int32))
+    return jnp.take(q.reshape(T * Hq, D), row, axis=0, mode="fill", fill_value=0)
 
 
 def _gather_rows(out, lse, work, num_tokens: int, group: int, cfg: Config, sinks):
-    """Per-entry output tiles -> q_t rows, merging KV splits.
+    """Per-entry output tiles -> out [T, Hq, D], merging KV splits.
 
     out [splits, Hkv, entries, wgs * R, D] (f32 and normalized per split when
-    splits > 1), lse [splits, Hkv, entries, wgs * R] or None -> [Hkv, T * G, D].
-    Row t * G + g of the result is token t, query head g; rows no tile computed
-    (padding tokens) are 0.
+    splits > 1), lse [splits, Hkv, entries, wgs * R] or None. Row (t, h * G + g) of the
+    result is token t, query head g of KV head h; rows no tile computed (padding tokens)
+    are 0. One gather of whole rows of the tiles viewed as [splits, Hkv * entries * R, D],
+    straight into token order (no transpose after).
     """
     splits, hkv, entries, rows_per_entry, D = out.shape
-    # Invert _tile_rows: which tile row computed each q_t row.
+    tiles = entries * rows_per_entry
+    # Invert _tile_rows: which tile row computed each (token, query head within its KV head).
     token, g, live = _tile_rows(work, group, cfg)
     dest = jnp.where(live, token * group + g, num_tokens * group).ravel()  # dead: dropped
-    src = jnp.zeros(num_tokens * group, jnp.int32).at[dest].set(
-        jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")
-    live = jnp.zeros(num_tokens * group, bool).at[dest].set(True, mode="drop")
-    r = jnp.arange(num_tokens * group)
-    out_p = out.reshape(splits, hkv, entries * rows_per_entry, D)[:, :, src]
+    src = jnp.full(num_tokens * group, hkv * tiles, jnp.int32).at[dest].set(
+        jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")  # unset: out of range
+    src = src.reshape(num_tokens, 1, group)
+    h = jnp.arange(hkv, dtype=jnp.int32)[None, :, None]
+    row = jnp.where(src < hkv * tiles, h * tiles + src, hkv * tiles)  # [T, Hkv, G]
+    row = jax.lax.optimization_barrier(row.reshape(-1))
+    out_rows = jnp.take(out.reshape(splits, hkv * tiles, D), row, axis=1, mode="fill",
+                        fill_value=0)  # [splits, T * Hq, D]
     if lse is None:
-        return jnp.where(live[None, :, None], out_p[0], 0)
-    lse_rows = lse.reshape(splits, hkv, -1)[:, :, src]  # [splits, Hkv, T * G]
-    lse_rows = jnp.where(live[None, None], lse_rows, -jnp.inf)
+        return out_rows[0].reshape(num_tokens, hkv * group, D)
+    lse_rows = jnp.take(lse.reshape(splits, hkv * tiles), row, axis=1, mode="fill",
+                        fill_value=-jnp.inf)  # [splits, T * Hq]
     m = jnp.max(lse_rows, axis=0)
     if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(hkv, group)[:, r % group]  # [Hkv, R]
+        sink = jnp.tile(sinks.astype(jnp.float32), num_tokens)  # [T * Hq]: head (t, q)
         m = jnp.maximum(m, sink)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse_rows - m[None])
@@ -551,7 +558,8 @@ def _gather_rows(out, lse, work, num_tokens: int, group: int, cfg: Config, sinks
     if sinks is not None:
         denom = denom + jnp.exp(sink - m)
     w = w / jnp.where(denom == 0, 1.0, denom)[None]
-    return jnp.sum(jnp.where(w[..., None] > 0, out_p, 0.0) * w[..., None], axis=0)
+    merged = jnp.sum(jnp.where(w[..., None] > 0, out_rows, 0.0) * w[..., None], axis=0)
+    return merged.reshape(num_tokens, hkv * group, D)
 
 
 def ragged_paged_attention_mgpu(
@@ -691,9 +699,8 @@ def attend_pages_mgpu(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(*args)
-    out_t = _gather_rows(results[0], results[1] if split else None, work, T, G, cfg, sinks)
     # Padding tokens (no CTA computes them) come back as 0, like the reference.
-    out = out_t.reshape(Hkv, T, G, D).transpose(1, 0, 2, 3).reshape(T, Hq, D)
+    out = _gather_rows(results[0], results[1] if split else None, work, T, G, cfg, sinks)
     return out.astype(q.dtype)
 
 
