@@ -24,6 +24,7 @@ sweep also prints each kernel's share (`harness.kernel_times`). Inputs:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -40,7 +41,7 @@ from jaxinfer.benchmarks.harness import (
     roofline,
 )
 from jaxinfer.benchmarks.kernels import attention_over_pages, paged_attention_case
-from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu
+from jaxinfer.mosaic.ragged_paged_attention import Config, attend_pages_mgpu, choose_config
 from jaxinfer.ops.attention_registry import ragged_paged_attention
 from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import attend_pages_gpu
 
@@ -202,11 +203,39 @@ def main():
     t16 = add("decode B=32 ctx=8192 bf16 KV mosaic", ours(), args16, b16, fl)
     t8 = add("decode B=32 ctx=8192 fp8 KV mosaic", ours(k_scale=1.0, v_scale=1.0), args8, b8, fl)
     extra["fp8 speedup vs bf16 (ctx 8192)"] = t16 / t8
+    if a.tune:  # smaller rings and two CTAs an SM (if they fit): more consumers to upcast
+        thr16, thr_b16, thr_fl = paged_attention_case([(1, 384)] * 256)
+        thr8, thr_b8, _ = paged_attention_case([(1, 384)] * 256, kv_dtype=jnp.float8_e4m3fn)
+        add("decode B=256 ctx=384 bf16 KV mosaic", ours(), thr16, thr_b16, thr_fl)
+        add("decode B=256 ctx=384 fp8 KV mosaic", ours(k_scale=1.0, v_scale=1.0), thr8, thr_b8,
+            thr_fl)
+        for cfg in [Config(64, 3, 1, 1, 8), Config(64, 3, 1, 1, 8, 264),
+                    Config(64, 2, 1, 1, 8, 264), Config(128, 2, 1, 1, 8, 264)]:
+            add(f"decode B=32 ctx=8192 fp8 KV mosaic {cfg}", ours(cfg, k_scale=1.0, v_scale=1.0),
+                args8, b8, fl)
+            add(f"decode B=256 ctx=384 fp8 KV mosaic {cfg}",
+                ours(cfg, k_scale=1.0, v_scale=1.0), thr8, thr_b8, thr_fl)
+            add(f"decode B=256 ctx=384 bf16 KV mosaic {cfg}", ours(cfg), thr16, thr_b16, thr_fl)
 
     # Mixed step: 2048 new tokens of one sequence over an 8192 context, plus 64 decodes.
     seqs = [(2048, 8192)] + [(1, 2048)] * 64
     args, nbytes, flops = paged_attention_case(seqs)
     t_mixed = add("mixed 2048 prefill over 8192 + 64 decodes mosaic", ours(), args, nbytes, flops)
+    # The two consumer warpgroups' ping-pong (Config.pingpong) against none, on this step and
+    # on the throughput run's prefill step (7 prompts of 256 beside 240 decodes at ctx 384)
+    # and on whole prompts.
+    prefill_cfg = choose_config(4096, 256, HKV, 8192, D, HQ // HKV)
+    thr_seqs = [(256, 256)] * 7 + [(1, 384)] * 240
+    thr_args, thr_bytes, thr_flops = paged_attention_case(thr_seqs)
+    check(full("mosaic_gpu"), reference(), thr_args, "throughput prefill step")
+    cases = [("mixed 2048 over 8192 + 64 decodes", (args, nbytes, flops)),
+             ("7 prompts of 256 + 240 decodes at ctx 384", (thr_args, thr_bytes, thr_flops)),
+             ("4 prompts of 2048", paged_attention_case([(2048, 2048)] * 4))]
+    for label, (cargs, cbytes, cflops) in cases:
+        for pingpong in (True, False):
+            cfg = dataclasses.replace(prefill_cfg, pingpong=pingpong)
+            t = add(f"{label} mosaic pingpong={pingpong}", ours(cfg), cargs, cbytes, cflops)
+            extra[f"{label}: pingpong={pingpong} us"] = t * 1e6
     if a.tune:
         for cfg in [Config(128, 2, 2, 1), Config(64, 3, 2, 1), Config(128, 3, 2, 1)]:
             add(f"mixed mosaic {cfg}", ours(cfg), args, nbytes, flops)

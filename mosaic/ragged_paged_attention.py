@@ -29,8 +29,10 @@ Algorithm (flash attention over pages):
   item's end; bench/NOTES.md, Ragged paged attention: Persistent grid).
 - Consumers: S = Q K^T (wgmma, f32), scale, optional soft cap, causal /
   kv_len / sliding-window mask on the edge blocks only, online softmax in base 2,
-  O += P V (wgmma). Masked scores are a large finite negative, not -inf, so a
-  row whose first block is fully masked stays finite.
+  O += P V (wgmma, accumulated in place). Masked scores are a large finite negative,
+  not -inf, so a row whose first block is fully masked stays finite. Two consumers
+  take turns on the tensor cores (`Config.pingpong`, FlashAttention-3's schedule
+  barrier): one's softmax runs while the other's products do.
 - Split-KV (flash decoding) when there are few (sequence, KV head) pairs: each
   split writes f32 partial outputs and their log-sum-exp; XLA combines them
   (sinks join there). Without splits the kernel writes q.dtype directly.
@@ -84,6 +86,9 @@ class Config:
     # configuration's entry size), and on an H200 the two steps gave a row other bits, if
     # rarely (bench/NOTES.md, Batch invariance: the mask on every KV block).
     mask_every_block: bool = False
+    # Two consumer warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong):
+    # one's softmax runs while the other's QK^T and PV do. Only with compute_wgs == 2.
+    pingpong: bool = True
 
 
 def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: int,
@@ -244,7 +249,7 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                       sliding_window: int | None, soft_cap: float | None, fp8: bool,
                       v_scale: float | None):
     (q_smem, k_smem, v_smem, o_smem, lse_smem, k16_smem, v16_smem, p_smem,
-     k_ready, v_ready, q_ready, k_free, v_free) = scratch
+     k_ready, v_ready, q_ready, k_free, v_free, turn) = scratch
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     bk, stages, wgs, splits = cfg.block_kv, cfg.num_stages, cfg.compute_wgs, cfg.num_splits
     pages_per_block = bk // page_size
@@ -328,6 +333,13 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
         for i in range(stages):
             drain(total + i)
 
+    pingpong = turn is not None
+
+    def take_turn():
+        # Both consumers arrive, then wait: the tensor cores pass to the other warpgroup.
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
     @pl.when(wg < wgs)
     def _consumer():
         plgpu.set_max_registers(232 if wgs > 1 else 240, action="increase")
@@ -344,6 +356,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                                     q_smem.at[wg, pl.ds(0, tile_rows)], q_ready.at[wg])
 
         load_q(0)  # before the item count is known (a CTA without items waits for it below)
+        if pingpong:  # the second warpgroup starts a turn behind; the first ends one behind
+            pl.when(wg == 1)(take_turn)
 
         def upcast(src, dst):
             # fp8 pages -> f16 copy in shared memory (exact), for wgmma.
@@ -376,6 +390,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_tile.transpose((1, 0)))
+                    if pingpong:  # while this product runs, the other's softmax ends
+                        take_turn()
                     return acc_ref[...]
                 with jax.named_scope("qk"):
                     s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
@@ -395,7 +411,15 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                plgpu.barrier_wait(v_ready.at[slot])
+                if pingpong:
+                    # The softmax done (the barrier keeps its math ahead of the turn),
+                    # hand over, then wait until the other's QK^T has been issued.
+                    acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(turn)
+                else:
+                    plgpu.barrier_wait(v_ready.at[slot])
                 v_tile = v_smem.at[slot]
                 if fp8:
                     upcast(v_tile, v16_smem.at[wg])
@@ -410,10 +434,13 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_tile)
                     return acc_ref[...]
-                # A fresh accumulator plus an add (rather than accumulating into acc in
-                # place): same cost, and it also runs in interpret mode.
                 with jax.named_scope("pv"):
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+                    if p_smem is None:  # on the GPU: accumulate into acc in place
+                        acc = pl.run_state(lambda r: plgpu.wgmma(r, p16, v_tile))(
+                            plgpu.ACC.init(acc))
+                    else:  # interpret mode has no preinitialised accumulator
+                        acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim),
+                                                                jnp.float32))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
@@ -480,6 +507,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
             return t0 + steps
 
         lax.fori_loop(0, num_items, run_item, jnp.int32(0))
+        if pingpong:
+            pl.when(wg == 0)(take_turn)
 
         @pl.when(num_items == 0)
         def _():
@@ -508,9 +537,7 @@ def _tile_queries(q, work, group: int, cfg: Config):
 
     Tiles, not q itself, because a TMA load into tiled shared memory needs a
     tile-aligned global offset, which a ragged token start is not. One gather of whole
-    D-element rows of q viewed as [T * Hq, D] (dead rows index past its end and read 0):
-    XLA copies each row as one contiguous slice, where a gather indexed by token and head
-    separately, then masked and transposed, took ~3x the tiles' bytes at the copy rate.
+    D-element rows of q viewed as [T * Hq, D] (dead rows index past its end and read 0).
     """
     T, Hq, D = q.shape
     token, g, live = _tile_rows(work, group, cfg)  # [entries, rows]
@@ -667,6 +694,8 @@ def attend_pages_mgpu(
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
     )
+    # The consumers' turn on the tensor cores (`Config.pingpong`); None: no turns.
+    turn = [plgpu.Barrier(num_arrivals=wgs)] if cfg.pingpong and wgs == 2 else []
     kernel_fn = functools.partial(
         _attention_kernel, cfg=cfg, group=G, head_dim=D, page_size=page_size,
         sm_scale=sm_scale * (k_scale if (fp8 and k_scale is not None) else 1.0),
@@ -681,8 +710,9 @@ def attend_pages_mgpu(
         out_ref, lse_ref = (rest[0], rest[1]) if split else (rest[0], None)
         pl.run_scoped(
             lambda *s: kernel_fn(item_rows_ref, counts_ref, pages_ref, q_ref, kp_ref,
-                                 vp_ref, sinks_ref, out_ref, lse_ref, (*s[0], *s[1:])),
-            scratch, *barriers, collective_axes="wg")
+                                 vp_ref, sinks_ref, out_ref, lse_ref,
+                                 (*s[0], *s[1:], *([] if turn else [None]))),
+            scratch, *barriers, *turn, collective_axes="wg")
 
     num_items = num_entries * Hkv * cfg.num_splits
     num_ctas = max(1, min(cfg.num_ctas, num_items))
