@@ -548,6 +548,15 @@ def test_prepared_inputs_hold_each_chunk_where_its_rows_say():
     for (path, a), b in zip(flat_want, jax.tree_util.tree_leaves(unpacked), strict=True):
         np.testing.assert_array_equal(np.asarray(b), a, err_msg=jax.tree_util.keystr(path))
         assert b.dtype == a.dtype, jax.tree_util.keystr(path)
+    # A draw (a batch that samples) receives its sampling inputs packed the same way.
+    draw = StepShape("draw", shape.num_seqs, shape.num_seqs, 0, shape.history)
+    layout = runner.layout(draw)
+    sampled = jax.tree_util.tree_leaves_with_path((want.sampling, want.history,
+                                                   want.num_prompt))
+    unpacked = jax.jit(layout.unpack)(layout.pack(runner.packed(draw, got)))
+    for (path, a), b in zip(sampled, jax.tree_util.tree_leaves(unpacked), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), a, err_msg=jax.tree_util.keystr(path))
+        assert b.dtype == a.dtype, jax.tree_util.keystr(path)
 
 
 def test_a_batch_runs_the_program_of_its_token_bucket():

@@ -84,28 +84,29 @@ class StepInputs:
 
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
-    """Where each array of a `StepInputs` lies in one int32 vector, which the host sends to
-    the device in one transfer (`pack`) and the step slices back apart (`unpack`): with a
-    transfer per array (~25 of them) the dispatch of a step at 256 decodes took 3.0-3.3 ms
-    of the host's time, 1.9-2.9 with one. float32 arrays travel as their bits, bool ones as
-    0 / 1. Static (a jit argument): the tree and each leaf's shape and dtype."""
+    """Where each array of a program's inputs (a step's `StepInputs`, a draw's sampling
+    inputs) lies in one int32 vector, which the host sends to the device in one transfer
+    (`pack`) and the program slices back apart (`unpack`): with a transfer per array (~25
+    of them) the dispatch of a step at 256 decodes took 3.0-3.3 ms of the host's time,
+    1.9-2.9 with one. float32 arrays travel as their bits, bool ones as 0 / 1. Static (a
+    jit argument): the tree and each leaf's shape and dtype."""
 
     treedef: jax.tree_util.PyTreeDef
     leaves: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name) in tree order
 
     @staticmethod
-    def of(inputs: StepInputs) -> PackedLayout:
+    def of(inputs) -> PackedLayout:
         leaves, treedef = jax.tree.flatten(inputs)
         return PackedLayout(treedef, tuple((a.shape, a.dtype.name) for a in leaves))
 
-    def pack(self, inputs: StepInputs) -> np.ndarray:
+    def pack(self, inputs) -> np.ndarray:
         """Host-side: the inputs' arrays as one int32 vector."""
         return np.concatenate([
             (a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False))
             .ravel() for a in jax.tree.leaves(inputs)])
 
-    def unpack(self, words: jax.Array) -> StepInputs:
-        """In the step: the inputs back from `pack`'s vector."""
+    def unpack(self, words: jax.Array):
+        """In the program: the inputs back from `pack`'s vector."""
         out, start = [], 0
         for shape, dtype in self.leaves:
             size = int(np.prod(shape))
@@ -224,7 +225,8 @@ class ModelRunner:
         self._prev_aval = jax.ShapeDtypeStruct((self.prev_slots,), jnp.int32,
                                                sharding=replicated)
         self._prev_tokens = None
-        self._draw_step = jax.jit(self._draw, static_argnames=("with_logprobs", "filtered"),
+        self._draw_step = jax.jit(self._draw, static_argnames=("layout", "with_logprobs",
+                                                               "filtered"),
                                   out_shardings=replicated, compiler_options=options)
         self._logits_step = jax.jit(self._logits, static_argnames=("layout",), **jit)
         # prev_slots: the size of a draw's last tokens, which no argument of it shows.
@@ -268,11 +270,12 @@ class ModelRunner:
 
     def lower(self, shape: StepShape, *args) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh), batch_invariant_mode(self.batch_invariant):
+            layout = self.layout(shape)
             if shape.kind == "draw":
-                return self._draw_step.trace(*args, with_logprobs=shape.with_logprobs,
+                return self._draw_step.trace(*args, layout=layout,
+                                             with_logprobs=shape.with_logprobs,
                                              filtered=shape.filtered).lower()
             kv_cache, state_leaves, words, *prev_tokens = args
-            layout = self.layout(shape)
             if shape.kind == "logits":
                 return self._logits_step.trace(kv_cache, state_leaves, words,
                                                layout=layout).lower()
@@ -285,20 +288,32 @@ class ModelRunner:
         # shardings), their descriptions while they load.
         weights = self._state_leaves if self._state_leaves is not None else self.state_avals
         inputs = self.empty_inputs(shape)
+        words = self.layout(shape).pack(self.packed(shape, inputs))
         if shape.kind == "draw":  # the logits of a sample step, and its sampling inputs
             logits = jax.ShapeDtypeStruct((shape.num_seqs, self.config.vocab_size), jnp.float32,
                                           sharding=self._prev_aval.sharding)
-            return logits, inputs.sampling, inputs.history, inputs.num_prompt
-        words = self.layout(shape).pack(inputs)
+            return logits, words
         if shape.kind == "logits":
             return self.kv_avals, weights, words
         return self.kv_avals, weights, words, self._prev_aval
 
+    @staticmethod
+    def packed(shape: StepShape, inputs: StepInputs):
+        """What a program of this shape takes packed: a step all its inputs, a draw the
+        sampling inputs of the step whose logits it samples from."""
+        if shape.kind == "draw":
+            return inputs.sampling, inputs.history, inputs.num_prompt
+        return inputs
+
     def layout(self, shape: StepShape) -> PackedLayout:
         """How a batch of this shape's inputs are packed (`PackedLayout`)."""
-        key = dataclasses.replace(shape, kind="sample", num_steps=1, with_logprobs=False)
+        if shape.kind == "draw":
+            key = dataclasses.replace(shape, with_logprobs=False, filtered=False)
+        else:
+            key = dataclasses.replace(shape, kind="sample", num_steps=1, with_logprobs=False)
         if (layout := self._layouts.get(key)) is None:
-            layout = self._layouts[key] = PackedLayout.of(self.empty_inputs(shape))
+            layout = self._layouts[key] = PackedLayout.of(
+                self.packed(shape, self.empty_inputs(shape)))
         return layout
 
     def _out_tree(self, shape: StepShape):
@@ -419,11 +434,13 @@ class ModelRunner:
         return ((state.out_tokens, state.out_lp, state.out_top_ids, state.out_top_lp,
                  last_tokens(state.out_tokens, S, self.prev_slots)), state.kv_cache)
 
-    def _draw(self, logits, sampling: SamplingTensors, history, num_prompt, *,
-              with_logprobs: bool, filtered: bool):
+    def _draw(self, logits, words, *, layout: PackedLayout, with_logprobs: bool,
+              filtered: bool):
         """The draw of a one-step batch that samples (`sample`), from the step's logits
-        [S, V] f32: its tokens, logprobs and last tokens as the step returns them.
+        [S, V] f32: its tokens, logprobs and last tokens as the step returns them. words:
+        the batch's sampling tensors, token history and prompt lengths, packed (`packed`).
         filtered: some row sets top_k, top_p or min_p (`SamplingTensors.filters`)."""
+        sampling, history, num_prompt = layout.unpack(words)
         S, vocab = logits.shape
         seen, counts = ((None, None) if history.shape[1] == 0
                         else token_counts(history, num_prompt, vocab))
@@ -617,8 +634,8 @@ class ModelRunner:
                 self.steps.prefetch(shape)
             # Arguments in this order: the KV pages (allocated on first use), then the
             # weights (waited for), then the program (waited for, or compiled) runs.
-            args = [self.kv_cache, self.state_leaves,
-                    multihost.to_global(self.layout(shape).pack(inputs), self.mesh)]
+            args = [self.kv_cache, self.state_leaves, multihost.to_global(
+                self.layout(shape).pack(self.packed(shape, inputs)), self.mesh)]
             if kind == "sample":
                 if self._prev_tokens is None:
                     self._prev_tokens = jax.device_put(np.zeros(self.prev_slots, np.int32),
@@ -631,8 +648,8 @@ class ModelRunner:
                     s = inputs.sampling.temperature.shape[0]
                     draw = StepShape("draw", s, s, 0, shape.history, 1, with_logprobs,
                                      inputs.sampling.filters())
-                    out = self.steps.run(draw, logits, *multihost.to_global(
-                        (inputs.sampling, inputs.history, inputs.num_prompt), self.mesh))
+                    words = self.layout(draw).pack(self.packed(draw, inputs))
+                    out = self.steps.run(draw, logits, multihost.to_global(words, self.mesh))
             if kind == "sample":
                 self._prev_tokens = out[4]
         return out
