@@ -113,16 +113,14 @@ class Scheduler:
         batch, scheduled = [], set()
         decoding = [r for r in self.running if r.num_cached == len(r.all_ids) - 1]
         prefilling = [r for r in self.running if r.num_cached < len(r.all_ids) - 1]
-        # The running requests as a set once this loop preempts one (None before: every
-        # request listed still runs): a list scan per request is quadratic in them.
-        preemptions, running = self.num_preemptions, None
+        # The running requests as a set, rebuilt after a preemption in this loop (a list
+        # scan per request is quadratic in them).
+        preemptions, running = self.num_preemptions, set(self.running)
         for req in sorted(decoding, key=lambda r: r.id) + sorted(prefilling, key=lambda r: r.id):
             if self.num_preemptions != preemptions:
                 preemptions, running = self.num_preemptions, set(self.running)
-            if running is not None and req not in running:
-                continue  # preempted for an older request in this loop
-            if req in last:
-                continue
+            if req not in running or req in last:
+                continue  # preempted for an older request in this loop, or finishing
             n = min(len(req.all_ids) - req.num_cached, budget)
             if n <= 0:
                 break
