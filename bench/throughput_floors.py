@@ -64,8 +64,9 @@ def main():
                     max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                     decode_steps=args.decode_steps)
     llm = types.SimpleNamespace(config=c, engine=engine, model=model,
-                                runner=types.SimpleNamespace(mesh=types.SimpleNamespace(size=1),
-                                                           page_size=args.page_size))
+                                runner=types.SimpleNamespace(
+                                    mesh=types.SimpleNamespace(size=1), page_size=args.page_size,
+                                    kv_avals=[(np.zeros(0, jnp.bfloat16),) * 2]))  # bf16 pages
     ceilings = Ceilings(args.copy_gbps * 1e9, args.matmul_tflops * 1e12)
     summary, rows = bench_throughput(llm, args.num_requests, args.input_len, args.output_len,
                                      ceilings)

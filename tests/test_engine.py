@@ -542,12 +542,13 @@ def test_prepared_inputs_hold_each_chunk_where_its_rows_say():
     for (path, a), b in zip(flat_want, flat_got, strict=True):
         np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
         assert b.dtype == a.dtype, jax.tree_util.keystr(path)
-    # The step receives them packed in one int32 vector, and unpacks the same arrays.
+    # The step receives them packed in one int32 vector, and unpacks the same arrays; so
+    # does a multi-host follower, on its host, from the leader's broadcast.
     layout = runner.layout(shape)
-    unpacked = jax.jit(layout.unpack)(layout.pack(got))
-    for (path, a), b in zip(flat_want, jax.tree_util.tree_leaves(unpacked), strict=True):
-        np.testing.assert_array_equal(np.asarray(b), a, err_msg=jax.tree_util.keystr(path))
-        assert b.dtype == a.dtype, jax.tree_util.keystr(path)
+    for unpacked in (jax.jit(layout.unpack)(layout.pack(got)), layout.unpack(layout.pack(got))):
+        for (path, a), b in zip(flat_want, jax.tree_util.tree_leaves(unpacked), strict=True):
+            np.testing.assert_array_equal(np.asarray(b), a, err_msg=jax.tree_util.keystr(path))
+            assert b.dtype == a.dtype, jax.tree_util.keystr(path)
     # A draw (a batch that samples) receives its sampling inputs packed the same way.
     draw = StepShape("draw", shape.num_seqs, shape.num_seqs, 0, shape.history)
     layout = runner.layout(draw)

@@ -88,7 +88,8 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     once per device iteration and dp replica, one input embedding row per token run, every
     live token's K/V once per iteration) at the copy bandwidth; a run's floor is the sum of
     its steps' floors. Two rows: the whole run (prefill included), and its decode-only steps
-    (every running request decoding, nothing waiting), the batch's decode roofline."""
+    (every request of the step decoding; requests may wait for a sequence slot meanwhile),
+    the batch's decode roofline."""
     rng = np.random.default_rng(seed)
     c, engine = llm.config, llm.engine
     lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
@@ -115,13 +116,15 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
         tot = {k: dict(seconds=0.0, bytes=0.0, flops=0.0, floor=0.0, steps=0, tokens=0,
                        queries=0) for k in ("all", "decode")}
         while engine.has_unfinished():
-            decode_only = not engine.waiting and all(
-                r.num_cached == len(r.all_ids) - 1 for r in engine.running)
             t = time.perf_counter()
             deltas = engine.step()
             seconds = time.perf_counter() - t
             produced = {d.request: len(d.token_ids) for d in deltas}
             iterations, kv_tokens, flops, queries = 1, 0.0, 0.0, 0
+            # A decode-only step runs one token of every request in it, each sampled (also
+            # while others wait for a sequence slot: such a step runs no prompt either).
+            decode_only = bool(engine.last_batch) and all(
+                len(chunk.new_tokens) == 1 and r in produced for r, chunk in engine.last_batch)
             for r, chunk in engine.last_batch:  # what ran, admitted this step or before
                 cached = chunk.num_cached
                 n = r.num_cached - cached  # queries run: a chunk's tokens, or decode iterations

@@ -3,8 +3,9 @@
 Every process loads the same model onto one global mesh and runs the same jitted steps.
 Process 0 owns the engine (scheduler, HTTP server) and, before each step, broadcasts
 what the step runs: a fixed-size header (kind, decode steps, the inputs' shapes), then the
-step's inputs. The other processes loop in `ModelRunner.follow` until process 0 sends
-END (when it exits). On one process every function here is a no-op.
+step's inputs packed in one int32 vector (`PackedLayout`). The other processes loop in
+`ModelRunner.follow` until process 0 sends END (when it exits). On one process every
+function here is a no-op.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.engine.packing import PackedLayout
 from jaxinfer.errors import JaxinferError
 
 END, SAMPLE, LOGITS = 0, 1, 2
@@ -72,9 +74,8 @@ def lead(kind: int, inputs=None, num_steps: int = 1, with_logprobs: bool = False
         return
     leaves = jax.tree.leaves(inputs)
     multihost_utils.broadcast_one_to_all(_header(kind, leaves, num_steps, with_logprobs))
-    if leaves:  # booleans travel as int32 (the broadcast is a sum)
-        multihost_utils.broadcast_one_to_all(
-            [np.asarray(a, np.int32) if np.asarray(a).dtype == bool else a for a in leaves])
+    if leaves:
+        multihost_utils.broadcast_one_to_all(PackedLayout.of(inputs).pack(inputs))
 
 
 def follow(template):
@@ -87,13 +88,12 @@ def follow(template):
     kind, num_steps, with_logprobs = (int(v) for v in header[:3])
     if kind == END:
         return None
-    zeros = [np.zeros(header[3 + 2 * i: 3 + 2 * i + np.ndim(a)],
-                      np.int32 if np.asarray(a).dtype == bool else np.asarray(a).dtype)
-             for i, a in enumerate(leaves)]
-    received = multihost_utils.broadcast_one_to_all(zeros)
-    received = [np.asarray(r).astype(np.asarray(a).dtype) for r, a in zip(received, leaves,
-                                                                          strict=True)]
-    return kind, treedef.unflatten(received), num_steps, bool(with_logprobs)
+    # The template's dtypes at the leader's shapes.
+    layout = PackedLayout(treedef, tuple(
+        (tuple(int(n) for n in header[3 + 2 * i: 3 + 2 * i + np.ndim(a)]),
+         np.asarray(a).dtype.name) for i, a in enumerate(leaves)))
+    words = multihost_utils.broadcast_one_to_all(np.zeros(layout.size, np.int32))
+    return kind, layout.unpack(np.asarray(words)), num_steps, bool(with_logprobs)
 
 
 def end():

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.engine import multihost
 from jaxinfer.engine.compiled_steps import CompiledSteps, StepShape
+from jaxinfer.engine.packing import PackedLayout
 from jaxinfer.engine.request import MAX_LOGPROBS
 from jaxinfer.engine.sampling import (
     SamplingTensors,
@@ -80,44 +81,6 @@ class StepInputs:
     # [T] int32: -1, or the row of the previous step whose sampled token is this token (it is
     # still on the device when this step is launched: `SeqChunk.prev_row`)
     prev_rows: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedLayout:
-    """Where each array of a program's inputs (a step's `StepInputs`, a draw's sampling
-    inputs) lies in one int32 vector, which the host sends to the device in one transfer
-    (`pack`) and the program slices back apart (`unpack`): with a transfer per array (~25
-    of them) the dispatch of a step at 256 decodes took 3.0-3.3 ms of the host's time,
-    1.9-2.9 with one. float32 arrays travel as their bits, bool ones as 0 / 1. Static (a
-    jit argument): the tree and each leaf's shape and dtype."""
-
-    treedef: jax.tree_util.PyTreeDef
-    leaves: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name) in tree order
-
-    @staticmethod
-    def of(inputs) -> PackedLayout:
-        leaves, treedef = jax.tree.flatten(inputs)
-        return PackedLayout(treedef, tuple((a.shape, a.dtype.name) for a in leaves))
-
-    def pack(self, inputs) -> np.ndarray:
-        """Host-side: the inputs' arrays as one int32 vector."""
-        return np.concatenate([
-            (a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False))
-            .ravel() for a in jax.tree.leaves(inputs)])
-
-    def unpack(self, words: jax.Array):
-        """In the program: the inputs back from `pack`'s vector."""
-        out, start = [], 0
-        for shape, dtype in self.leaves:
-            size = int(np.prod(shape))
-            a = words[start:start + size].reshape(shape)
-            start += size
-            if dtype == "float32":
-                a = jax.lax.bitcast_convert_type(a, jnp.float32)
-            elif dtype == "bool":
-                a = a != 0
-            out.append(a)
-        return jax.tree.unflatten(self.treedef, out)
 
 
 @dataclasses.dataclass
