@@ -9,6 +9,7 @@ model, and on a runner without a model (`HostRunner`) for the scheduler's own te
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -473,8 +474,9 @@ def test_warmup_compiles_the_decode_and_prefill_buckets(converted):
     steps = llm.runner.steps
     # One page bucket (the narrowest is wider than the 7 pages a sequence can have): token
     # buckets 1..64, the 4-step decodes of 1, 2 and 4 sequences, and the draws of 1, 2 and
-    # 4 sequence slots (a one-step batch that samples), with and without the filters.
-    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 7 + 3 + 2 * 3
+    # 4 sequence slots (a one-step batch that samples); the last two with and without the
+    # filters.
+    assert len(steps.shapes()) == steps.num_compiled + steps.num_loaded == 7 + 2 * 3 + 2 * 3
     assert steps.num_on_demand == 0
     assert not any(llm.engine.scheduler.pool.ref)
     rng = np.random.default_rng()
@@ -640,6 +642,8 @@ def test_every_batch_within_the_limits_runs_a_warmed_program(max_num_seqs, budge
             for filtered in (False, True):
                 assert StepShape("draw", shape.num_seqs, shape.num_seqs, 0,
                                  filtered=filtered) in warm
+        else:  # the loop's draw with the filters too (a sampled row sets one)
+            assert dataclasses.replace(shape, filtered=True) in warm
 
 
 @pytest.mark.gpu

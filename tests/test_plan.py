@@ -283,6 +283,7 @@ def test_a_steps_memory_does_not_depend_on_the_pool_size():
     assert [(s.kind, s.num_steps) for s in shapes] == [("sample", 1), ("sample", 4),
                                                         ("draw", 1)]
     assert shapes[0].num_tokens == 64 and shapes[2].num_seqs == 8 and shapes[2].filtered
+    assert shapes[1].filtered  # the multi-step loop's draw with the filters: the sort's
     for shape in shapes:
         small, large = (r.steps.memory(shape) for r in runners)
         assert small == large and small.temp_bytes > 0, (shape, small, large)

@@ -53,8 +53,8 @@ class StepShape:
       history        L: token-history columns (0: no penalties in the batch)
       num_steps      decode steps in one call (1: one forward)
       with_logprobs  whether the program returns logprobs
-      filtered       a draw's rows may set top_k, top_p or min_p (a vocabulary sort; without:
-                     the whole distribution, no sort)
+      filtered       a draw's rows (or a multi-step decode's, whose loop draws) may set top_k,
+                     top_p or min_p (a vocabulary sort; without: the whole distribution, no sort)
     """
 
     kind: str

@@ -37,16 +37,18 @@ def probe_shapes(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens:
     """The largest programs of each kind the engine can run: a batch of
     max_num_batched_tokens (with logprobs, whose top-k copies of the logits a plain batch
     lacks) at the widest page table, with decode_steps > 1 the multi-step decode of every
-    sequence slot, and the draw of every slot (its input logits counted), all with
-    logprobs."""
+    sequence slot (its draw with the filters), and the draw of every slot (its input logits
+    counted), all with logprobs."""
     max_len = runner.max_pages_per_seq * runner.page_size
     shapes = runner.warmup_shapes(max_num_seqs, max_num_batched_tokens, decode_steps, max_len)
     by_steps = {}  # one-step and multi-step batches
     for s in shapes:
         if s.kind != "sample":
             continue
-        if s.num_steps not in by_steps or (s.num_tokens, s.pages_per_seq) > (
-                by_steps[s.num_steps].num_tokens, by_steps[s.num_steps].pages_per_seq):
+        key = (s.num_tokens, s.pages_per_seq, s.filtered)  # filtered: the loop's draw sorts
+        if s.num_steps not in by_steps or key > (
+                by_steps[s.num_steps].num_tokens, by_steps[s.num_steps].pages_per_seq,
+                by_steps[s.num_steps].filtered):
             by_steps[s.num_steps] = s
     largest = [s for _, s in sorted(by_steps.items())]
     draws = [s for s in shapes if s.kind == "draw"]

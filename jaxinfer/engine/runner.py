@@ -179,7 +179,7 @@ class ModelRunner:
                                                        kv_sharding),
                    compiler_options=options)
         self._sample_step = jax.jit(self._sample, static_argnames=(
-            "layout", "num_steps", "with_logprobs"), **jit)
+            "layout", "num_steps", "with_logprobs", "filtered"), **jit)
         self._layouts: dict[StepShape, PackedLayout] = {}
         # The last sampled token of each row of the latest sample step, which the next step
         # may take as its input tokens (`StepInputs.prev_rows`): it stays on the device.
@@ -244,7 +244,8 @@ class ModelRunner:
                                                layout=layout).lower()
             return self._sample_step.trace(kv_cache, state_leaves, words, *prev_tokens,
                                            layout=layout, num_steps=shape.num_steps,
-                                           with_logprobs=shape.with_logprobs).lower()
+                                           with_logprobs=shape.with_logprobs,
+                                           filtered=shape.filtered).lower()
 
     def example_args(self, shape: StepShape) -> tuple:
         # The weights where they are loaded (lowering reads only their shapes, dtypes and
@@ -298,7 +299,7 @@ class ModelRunner:
         return model.logits(hidden), kv_cache
 
     def _sample(self, kv_cache, state_leaves, words, prev_tokens, *, layout: PackedLayout,
-                num_steps: int, with_logprobs: bool):
+                num_steps: int, with_logprobs: bool, filtered: bool = False):
         """One forward + sample, or num_steps of them for a decode-only batch (one token per
         sequence) in a while loop that exits once every sequence has finished. prev_tokens
         [prev_slots] int32: the previous sample step's last token per row, taken where
@@ -306,7 +307,10 @@ class ModelRunner:
         logprobs [S, N, K], each row's last token [prev_slots]), the KV cache); one step
         (N = 1) takes the greedy tokens and also returns its logits [S, V] f32, which
         `_draw` samples from when a row of the batch samples (`_run`). words: the
-        batch's `StepInputs`, packed (`PackedLayout`)."""
+        batch's `StepInputs`, packed (`PackedLayout`). filtered (the multi-step loop's draw):
+        some sampled row sets top_k, top_p or min_p (`SamplingTensors.filters`); without,
+        its draw skips the vocabulary sort, which a greedy batch's draw (on GPUs, where the
+        loop draws every step) then never pays."""
         inputs: StepInputs = layout.unpack(words)
         model = self._model(state_leaves)
         vocab, S = self.config.vocab_size, inputs.logits_indices.shape[0]
@@ -324,7 +328,8 @@ class ModelRunner:
             hidden, kv_cache = model(token_ids, positions, kv_cache, md)
             logits = model.logits(hidden[inputs.logits_indices])
             t = dataclasses.replace(inputs.sampling, steps=steps)
-            tokens = (sample(logits, t, seen, counts, skip_draw=self._skip_draw) if draw
+            tokens = (sample(logits, t, seen, counts, skip_draw=self._skip_draw,
+                             filtered=filtered) if draw
                       else greedy_tokens(logits, t, seen, counts))
             if with_logprobs:
                 lp = logprobs_of(logits, tokens, num_top)
@@ -452,7 +457,8 @@ class ModelRunner:
                       decode_steps: int, max_len: int) -> list[StepShape]:
         """The programs a server compiles before it is ready: a batch of each token bucket
         up to max_num_batched_tokens, at each page bucket up to max_len tokens of context,
-        and (decode_steps > 1) the multi-step decode batches of each sequence bucket, and
+        and (decode_steps > 1) the multi-step decode batches of each sequence bucket (with
+        and without the filters in their draw), and
         the draw of each one-step batch's sequence slots. Built with `step_shape`, so they
         are the shapes those batches will ask for. Batches with
         logprobs or penalties compile on first use; a batch's next page bucket compiles in
@@ -477,7 +483,9 @@ class ModelRunner:
                         context = max(p * ps - decode_steps, 0)
                         chunks = [SeqChunk(new_tokens=[0], num_cached=context, pages=[],
                                            remaining=decode_steps)] * t
-                        shapes.add(self.step_shape(chunks, decode_steps))
+                        multi = self.step_shape(chunks, decode_steps)
+                        # its loop's draw without the filters, and with
+                        shapes |= {multi, dataclasses.replace(multi, filtered=True)}
         # The draws of each one-step batch's sequence slots, for batches that sample
         # (`_run`): from the whole distribution, and with the filters.
         shapes |= {StepShape("draw", s.num_seqs, s.num_seqs, 0, filtered=filtered)
@@ -543,10 +551,12 @@ class ModelRunner:
     @staticmethod
     def shape_of(inputs: StepInputs, kind: str = "sample", num_steps: int = 1,
                  with_logprobs: bool = False) -> StepShape:
-        """The shape of prepared inputs (a follower process receives inputs, not chunks)."""
+        """The shape of prepared inputs (a follower process receives inputs, not chunks). A
+        multi-step decode is `filtered` where a sampled row sets a filter (its loop draws)."""
+        filtered = kind == "sample" and num_steps > 1 and inputs.sampling.filters()
         return StepShape(kind, inputs.token_ids.shape[0], inputs.logits_indices.shape[0],
                          inputs.md.page_indices.shape[1], inputs.history.shape[1], num_steps,
-                         with_logprobs)
+                         with_logprobs, filtered)
 
     def step(self, chunks: list[SeqChunk], num_steps: int = 1,
              with_logprobs: bool = False) -> StepOutput:
