@@ -75,7 +75,7 @@ def lead(kind: int, inputs=None, num_steps: int = 1, with_logprobs: bool = False
     leaves = jax.tree.leaves(inputs)
     multihost_utils.broadcast_one_to_all(_header(kind, leaves, num_steps, with_logprobs))
     if leaves:
-        multihost_utils.broadcast_one_to_all(PackedLayout.of(inputs).pack(inputs))
+        multihost_utils.broadcast_one_to_all(PackedLayout.pack(inputs))
 
 
 def follow(template):

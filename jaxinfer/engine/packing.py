@@ -34,8 +34,10 @@ class PackedLayout:
         """The vector's length."""
         return sum(int(np.prod(shape)) for shape, _ in self.leaves)
 
-    def pack(self, inputs) -> np.ndarray:
-        """Host-side: the inputs' arrays as one int32 vector."""
+    @staticmethod
+    def pack(inputs) -> np.ndarray:
+        """Host-side: the inputs' arrays as one int32 vector (in tree order, which `of`'s
+        layout of them follows)."""
         return np.concatenate([
             (a.view(np.int32) if a.dtype == np.float32 else a.astype(np.int32, copy=False))
             .ravel() for a in map(np.asarray, jax.tree.leaves(inputs))])

@@ -271,10 +271,9 @@ class ModelRunner:
 
     def layout(self, shape: StepShape) -> PackedLayout:
         """How a batch of this shape's inputs are packed (`PackedLayout`)."""
-        if shape.kind == "draw":
-            key = dataclasses.replace(shape, with_logprobs=False, filtered=False)
-        else:
-            key = dataclasses.replace(shape, kind="sample", num_steps=1, with_logprobs=False)
+        # What the inputs' arrays follow: the kind of program (a step or a draw) and buckets.
+        key = dataclasses.replace(shape, kind="draw" if shape.kind == "draw" else "sample",
+                                  num_steps=1, with_logprobs=False, filtered=False)
         if (layout := self._layouts.get(key)) is None:
             layout = self._layouts[key] = PackedLayout.of(
                 self.packed(shape, self.empty_inputs(shape)))
