@@ -203,19 +203,29 @@ def main():
     t16 = add("decode B=32 ctx=8192 bf16 KV mosaic", ours(), args16, b16, fl)
     t8 = add("decode B=32 ctx=8192 fp8 KV mosaic", ours(k_scale=1.0, v_scale=1.0), args8, b8, fl)
     extra["fp8 speedup vs bf16 (ctx 8192)"] = t16 / t8
+    # The upcast warpgroup (Config.fp8_upcaster, the default) against each consumer
+    # upcasting its own blocks, here and at the throughput run's decode step.
+    b256_16, b256_b16, b256_fl = paged_attention_case([(1, 384)] * 256)
+    b256_8, b256_b8, _ = paged_attention_case([(1, 384)] * 256, kv_dtype=jnp.float8_e4m3fn)
+    t16_256 = add("decode B=256 ctx=384 bf16 KV mosaic", ours(), b256_16, b256_b16, b256_fl)
+    for label, cargs, cbytes, cflops, t_bf16, (T, ctx) in (
+            ("decode B=32 ctx=8192", args8, b8, fl, t16, (32, 8192)),
+            ("decode B=256 ctx=384", b256_8, b256_b8, b256_fl, t16_256, (256, 384))):
+        cfg = choose_config(T, T, HKV, ctx, D, HQ // HKV)
+        for upcaster in (True, False):
+            t = add(f"{label} fp8 KV mosaic upcaster={upcaster}",
+                    ours(dataclasses.replace(cfg, fp8_upcaster=upcaster), k_scale=1.0,
+                         v_scale=1.0), cargs, cbytes, cflops)
+            extra[f"{label} fp8 upcaster={upcaster} vs bf16"] = t_bf16 / t
     if a.tune:  # smaller rings and two CTAs an SM (if they fit): more consumers to upcast
-        thr16, thr_b16, thr_fl = paged_attention_case([(1, 384)] * 256)
-        thr8, thr_b8, _ = paged_attention_case([(1, 384)] * 256, kv_dtype=jnp.float8_e4m3fn)
-        add("decode B=256 ctx=384 bf16 KV mosaic", ours(), thr16, thr_b16, thr_fl)
-        add("decode B=256 ctx=384 fp8 KV mosaic", ours(k_scale=1.0, v_scale=1.0), thr8, thr_b8,
-            thr_fl)
         for cfg in [Config(64, 3, 1, 1, 8), Config(64, 3, 1, 1, 8, 264),
                     Config(64, 2, 1, 1, 8, 264), Config(128, 2, 1, 1, 8, 264)]:
             add(f"decode B=32 ctx=8192 fp8 KV mosaic {cfg}", ours(cfg, k_scale=1.0, v_scale=1.0),
                 args8, b8, fl)
             add(f"decode B=256 ctx=384 fp8 KV mosaic {cfg}",
-                ours(cfg, k_scale=1.0, v_scale=1.0), thr8, thr_b8, thr_fl)
-            add(f"decode B=256 ctx=384 bf16 KV mosaic {cfg}", ours(cfg), thr16, thr_b16, thr_fl)
+                ours(cfg, k_scale=1.0, v_scale=1.0), b256_8, b256_b8, b256_fl)
+            add(f"decode B=256 ctx=384 bf16 KV mosaic {cfg}", ours(cfg), b256_16, b256_b16,
+                b256_fl)
 
     # Mixed step: 2048 new tokens of one sequence over an 8192 context, plus 64 decodes.
     seqs = [(2048, 8192)] + [(1, 2048)] * 64

@@ -69,6 +69,7 @@ ROWS = 64  # query rows per consumer warpgroup (the wgmma M tile)
 MASKED = -1e30  # masked score (base-2 units): exp2(MASKED - m) == 0 for any real m
 LOG2E = math.log2(math.e)
 NUM_SMS = 132  # H100 / H200 SXM: the persistent grid's CTAs and the number of KV splits
+UPCAST_STAGES = 2  # f16 blocks in the upcast warpgroup's ring (`Config.fp8_upcaster`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,10 @@ class Config:
     # Two consumer warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong):
     # one's softmax runs while the other's QK^T and PV do. Only with compute_wgs == 2.
     pingpong: bool = True
+    # fp8 pages with one consumer warpgroup: a warpgroup of its own converts each KV block
+    # to f16 once, into a ring of UPCAST_STAGES blocks, so the upcast runs beside the
+    # consumer's products instead of before them.
+    fp8_upcaster: bool = True
 
 
 def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: int,
@@ -138,8 +143,9 @@ def _fit_stages(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
 
     def smem(block_kv: int, stages: int) -> int:
         fixed = cfg.compute_wgs * ROWS * head_dim * (qb + out_b) + 4096  # q, out, lse, bars
-        if kvb == 1:  # fp8: per-warpgroup upcast copies of K and V
-            fixed += 2 * cfg.compute_wgs * block_kv * head_dim * qb
+        if kvb == 1:  # fp8: f16 copies of K and V, the upcaster's ring or per warpgroup
+            copies = UPCAST_STAGES if _upcaster(cfg, True) else cfg.compute_wgs
+            fixed += 2 * copies * block_kv * head_dim * qb
         return fixed + stages * 2 * block_kv * head_dim * kvb
 
     block_kv, stages = cfg.block_kv, cfg.num_stages
@@ -148,6 +154,11 @@ def _fit_stages(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
     while block_kv > 64 and smem(block_kv, stages) > SMEM_BYTES:
         block_kv //= 2
     return dataclasses.replace(cfg, num_stages=stages, block_kv=block_kv)
+
+
+def _upcaster(cfg: Config, fp8: bool) -> bool:
+    """Whether the kernel runs an upcast warpgroup (`Config.fp8_upcaster`)."""
+    return fp8 and cfg.fp8_upcaster and cfg.compute_wgs == 1
 
 
 def _work_list(md: AttentionMetadata, num_entries: int, tokens_per_block: int):
@@ -249,7 +260,9 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                       sliding_window: int | None, soft_cap: float | None, fp8: bool,
                       v_scale: float | None):
     (q_smem, k_smem, v_smem, o_smem, lse_smem, k16_smem, v16_smem, p_smem,
-     k_ready, v_ready, q_ready, k_free, v_free, turn) = scratch
+     k_ready, v_ready, q_ready, k_free, v_free, turn,
+     k16_ready, v16_ready, k16_free, v16_free) = scratch
+    upcaster = k16_ready is not None
     cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
     bk, stages, wgs, splits = cfg.block_kv, cfg.num_stages, cfg.compute_wgs, cfg.num_splits
     pages_per_block = bk // page_size
@@ -333,6 +346,44 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
         for i in range(stages):
             drain(total + i)
 
+    if upcaster:
+        @pl.when(wg == wgs + 1)
+        def _upcaster():
+            def convert(src, dst):
+                # A warpgroup's registers hold 64 rows at a time (fp8 -> f16 is exact).
+                for r in range(0, bk, ROWS):
+                    dst.at[pl.ds(r, ROWS)][...] = plgpu.load(
+                        src.at[pl.ds(r, ROWS)], layout=plgpu.Layout.WGMMA).astype(dst.dtype)
+                plgpu.commit_smem()
+
+            def upcast_block(t, carry):
+                slot = lax.rem(t, jnp.int32(stages))
+                slot16 = lax.rem(t, jnp.int32(UPCAST_STAGES))
+                for ready, free, src, ready16, free16, dst in (
+                        (k_ready, k_free, k_smem, k16_ready, k16_free, k16_smem),
+                        (v_ready, v_free, v_smem, v16_ready, v16_free, v16_smem)):
+                    plgpu.barrier_wait(ready.at[slot])
+                    pl.when(t >= UPCAST_STAGES)(
+                        functools.partial(plgpu.barrier_wait, free16.at[slot16]))
+                    convert(src.at[slot], dst.at[slot16])
+                    plgpu.barrier_arrive(ready16.at[slot16])
+                    plgpu.barrier_arrive(free.at[slot])
+                return carry
+
+            # The CTA's blocks, in the producer's order (its items' blocks one after another).
+            total = lax.fori_loop(0, num_items, lambda j, n: n + item(j)[8], jnp.int32(0))
+            lax.fori_loop(0, total, upcast_block, jnp.int32(0))
+
+            def drain16(t):  # observe the ring's last releases (as the producer's `drain`)
+                @pl.when(t >= UPCAST_STAGES)
+                def _():
+                    slot16 = lax.rem(t, jnp.int32(UPCAST_STAGES))
+                    plgpu.barrier_wait(k16_free.at[slot16])
+                    plgpu.barrier_wait(v16_free.at[slot16])
+
+            for i in range(UPCAST_STAGES):
+                drain16(total + i)
+
     pingpong = turn is not None
 
     def take_turn():
@@ -381,10 +432,16 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                 acc, m_i, l_i = carry
                 slot = lax.rem(t0 + i, jnp.int32(stages))
                 block = lo + i
+                if upcaster:  # f16 blocks from the upcast warpgroup's ring
+                    slot = lax.rem(t0 + i, jnp.int32(UPCAST_STAGES))
+                    k_ready_, k_free_, k_tile = k16_ready, k16_free, k16_smem.at[slot]
+                    v_ready_, v_free_, v_tile = v16_ready, v16_free, v16_smem.at[slot]
+                else:
+                    k_ready_, k_free_, k_tile = k_ready, k_free, k_smem.at[slot]
+                    v_ready_, v_free_, v_tile = v_ready, v_free, v_smem.at[slot]
                 with jax.named_scope("wait_k"):
-                    plgpu.barrier_wait(k_ready.at[slot])
-                k_tile = k_smem.at[slot]
-                if fp8:
+                    plgpu.barrier_wait(k_ready_.at[slot])
+                if fp8 and not upcaster:
                     upcast(k_tile, k16_smem.at[wg])
                     k_tile = k16_smem.at[wg]
 
@@ -395,7 +452,7 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                     return acc_ref[...]
                 with jax.named_scope("qk"):
                     s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(k_free_.at[slot])
                 if soft_cap is not None:
                     s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
                 else:
@@ -416,12 +473,11 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                     # hand over, then wait until the other's QK^T has been issued.
                     acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
                     plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(v_ready_.at[slot])
                     plgpu.barrier_wait(turn)
                 else:
-                    plgpu.barrier_wait(v_ready.at[slot])
-                v_tile = v_smem.at[slot]
-                if fp8:
+                    plgpu.barrier_wait(v_ready_.at[slot])
+                if fp8 and not upcaster:
                     upcast(v_tile, v16_smem.at[wg])
                     v_tile = v16_smem.at[wg]
 
@@ -441,7 +497,7 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                     else:  # interpret mode has no preinitialised accumulator
                         acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim),
                                                                 jnp.float32))
-                plgpu.barrier_arrive(v_free.at[slot])
+                plgpu.barrier_arrive(v_free_.at[slot])
                 return acc, m_new, l_i
 
             # Blocks that need no mask: inside every token's window (the last token's starts
@@ -672,15 +728,17 @@ def attend_pages_mgpu(
         return (plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)),
                 plgpu.SwizzleTransform(row_bytes))
     wgs, stages = cfg.compute_wgs, cfg.num_stages
+    upcaster = _upcaster(cfg, fp8)
+    copies = UPCAST_STAGES if upcaster else wgs  # f16 K / V blocks (fp8 pages)
     scratch = [
         plgpu.SMEM((wgs, ROWS, D), compute_dtype, transforms=swizzled(compute_dtype)),
         plgpu.SMEM((stages, bk, D), k_pages.dtype, transforms=swizzled(k_pages.dtype)),
         plgpu.SMEM((stages, bk, D), k_pages.dtype, transforms=swizzled(k_pages.dtype)),
         plgpu.SMEM((wgs, ROWS, D), out_dtype, transforms=swizzled(out_dtype)),
         plgpu.SMEM((wgs, ROWS), jnp.float32) if split else None,
-        plgpu.SMEM((wgs, bk, D), compute_dtype, transforms=swizzled(compute_dtype))
+        plgpu.SMEM((copies, bk, D), compute_dtype, transforms=swizzled(compute_dtype))
         if fp8 else None,
-        plgpu.SMEM((wgs, bk, D), compute_dtype, transforms=swizzled(compute_dtype))
+        plgpu.SMEM((copies, bk, D), compute_dtype, transforms=swizzled(compute_dtype))
         if fp8 else None,
         # P goes through shared memory only in interpret mode (no register A operand there).
         plgpu.SMEM((wgs, ROWS, bk), compute_dtype, transforms=swizzled(compute_dtype))
@@ -691,11 +749,16 @@ def attend_pages_mgpu(
         plgpu.Barrier(num_arrivals=bk // page_size, num_barriers=stages),
         plgpu.Barrier(num_arrivals=bk // page_size, num_barriers=stages),
         plgpu.Barrier(num_barriers=wgs),
-        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        # The fp8 ring's slots are freed by whoever reads them: the upcaster, or the consumers.
+        plgpu.Barrier(num_arrivals=1 if upcaster else wgs, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1 if upcaster else wgs, num_barriers=stages),
     )
-    # The consumers' turn on the tensor cores (`Config.pingpong`); None: no turns.
+    # The consumers' turn on the tensor cores (`Config.pingpong`); none: no turns.
     turn = [plgpu.Barrier(num_arrivals=wgs)] if cfg.pingpong and wgs == 2 else []
+    # The upcaster's f16 ring: k16 / v16 ready (it arrives), k16 / v16 free (consumers do).
+    ring16 = ([plgpu.Barrier(num_barriers=UPCAST_STAGES)] * 2
+              + [plgpu.Barrier(num_arrivals=wgs, num_barriers=UPCAST_STAGES)] * 2
+              if upcaster else [])
     kernel_fn = functools.partial(
         _attention_kernel, cfg=cfg, group=G, head_dim=D, page_size=page_size,
         sm_scale=sm_scale * (k_scale if (fp8 and k_scale is not None) else 1.0),
@@ -708,11 +771,15 @@ def attend_pages_mgpu(
         else:
             sinks_ref = None
         out_ref, lse_ref = (rest[0], rest[1]) if split else (rest[0], None)
-        pl.run_scoped(
-            lambda *s: kernel_fn(item_rows_ref, counts_ref, pages_ref, q_ref, kp_ref,
-                                 vp_ref, sinks_ref, out_ref, lse_ref,
-                                 (*s[0], *s[1:], *([] if turn else [None]))),
-            scratch, *barriers, *turn, collective_axes="wg")
+        def run(scratch_refs, *bars):
+            # The barriers of absent parts as None: no turns, no upcaster.
+            base, rest = bars[:len(barriers)], list(bars[len(barriers):])
+            turn_ref = rest.pop(0) if turn else None
+            ring16_refs = tuple(rest) if ring16 else (None,) * 4
+            kernel_fn(item_rows_ref, counts_ref, pages_ref, q_ref, kp_ref, vp_ref, sinks_ref,
+                      out_ref, lse_ref, (*scratch_refs, *base, turn_ref, *ring16_refs))
+
+        pl.run_scoped(run, scratch, *barriers, *turn, *ring16, collective_axes="wg")
 
     num_items = num_entries * Hkv * cfg.num_splits
     num_ctas = max(1, min(cfg.num_ctas, num_items))
@@ -725,7 +792,7 @@ def attend_pages_mgpu(
         args.append(sinks_rows)
     results = plgpu.kernel(
         entry, out_type=out_type, grid=(num_ctas,), grid_names=("cta",),
-        num_threads=wgs + 1, thread_name="wg",
+        num_threads=wgs + 1 + upcaster, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(*args)
