@@ -39,9 +39,10 @@ Algorithm (flash attention over pages):
 - Each CTA stores whole 64-row output tiles into its own slot of a per-entry
   buffer (TMA stores need static shapes and aligned shared-memory offsets); XLA
   gathers the live rows back into token order (and merges splits).
-- fp8 (e4m3) pages: the consumer upcasts each KV block to f16 in shared memory
-  (exact; queries and P run in f16 then), k_scale folds into the score scale and
-  v_scale into the output.
+- fp8 (e4m3) pages: each KV block is upcast to f16 in shared memory (exact; queries
+  and P run in f16 then), with one consumer by a warpgroup of its own into a ring of
+  f16 blocks (`Config.fp8_upcaster`), with two by each consumer; k_scale folds into the
+  score scale and v_scale into the output.
 
 Named regions (`jax.named_scope`: wait_q, wait_k, qk, pv, wait_stores) mark the
 consumer's waits and wgmmas for the Mosaic GPU profiler (`bench/attention_kernel_regions.py`).

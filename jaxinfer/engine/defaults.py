@@ -6,12 +6,13 @@ serve`, `jaxinfer bench` and `jaxinfer plan` (their options default to None, res
   decode_steps            decode steps per host round trip when every request decodes
 
 On GPUs and TPUs: 256 sequences (vLLM's) and 2048 tokens a step, decoding one step per
-host round trip. Measured on an H200 (Llama-3-8B shape, 512 requests of <= 256 + 256
-tokens, `jaxinfer bench throughput`; bench/NOTES.md, Serving engine decode loop): 8192
-tokens a step (vLLM's on large GPUs) gave 10,168 output tokens/s against 10,586 for 2048,
-and its programs compile in ~12 s each against a few; 8 decode steps a round trip gave
-11,556 but streams tokens 8 at a time, holds new requests back up to 8 steps and adds 9
-programs to the warm-up's 14. The Llama-3-8B shape fits one H100 80GB at these
+host round trip. Measured (Llama-3-8B shape, 512 requests of <= 256 + 256 tokens,
+`jaxinfer bench throughput`; bench/NOTES.md, Serving engine decode loop): on an H100, 2048,
+4096 and 8192 tokens a step (vLLM's on large GPUs) gave 14,396, 14,430 and 14,524 output
+tokens/s in one lease, within the spread between leases, and 8192's programs compile in
+~12 s each against a few. On an H200, before the overlapped steps, 8 decode steps a round
+trip gave 11,556 against 10,586, but streams tokens 8 at a time, holds new requests back up
+to 8 steps and adds 9 programs to the warm-up's 14. The Llama-3-8B shape fits one H100 80GB at these
 sizes with room for its KV cache (bench/NOTES.md, Memory planning).
 On the CPU: 64 sequences and 2048 tokens: two cores run no more at once any faster.
 """
