@@ -220,9 +220,14 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
         k_pages = jax.lax.dynamic_update_slice(k_pages, k_new[None], (page, slot[0], 0, 0))
         v_pages = jax.lax.dynamic_update_slice(v_pages, v_new[None], (page, slot[0], 0, 0))
     else:
-        page = jnp.where(valid, page, k_pages.shape[0])  # out of range: dropped below
-        k_pages = k_pages.at[page, slot].set(k_new, mode="drop")
-        v_pages = v_pages.at[page, slot].set(v_new, mode="drop")
+        # Padding tokens index past the pages (dropped), each its own page, so that every
+        # (page, slot) is unique: a scatter told so stores its rows, where XLA's GPU scatter
+        # otherwise writes every element with an atomic read-modify-write (a compare-and-swap
+        # loop for 16-bit types).
+        tokens = jnp.arange(k.shape[0], dtype=page.dtype)
+        page = jnp.where(valid, page, k_pages.shape[0] + tokens)
+        k_pages = k_pages.at[page, slot].set(k_new, mode="drop", unique_indices=True)
+        v_pages = v_pages.at[page, slot].set(v_new, mode="drop", unique_indices=True)
     if not md.zero_tails:
         return k_pages, v_pages
     return zero_page_tails(k_pages, v_pages, md)
