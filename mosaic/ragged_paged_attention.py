@@ -282,6 +282,19 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
         return tuple(item_rows_ref[cta, j, len(ITEM_FIELDS) + p]
                      for p in range(pages_per_block))
 
+    def drain(total, depth: int, k_free_ref, v_free_ref):
+        # Observe a ring's last releases too (those of blocks total - depth .. total - 1),
+        # so that no barrier phase this thread arrives on is left unobserved when it exits
+        # (on the GPU the consumer is finishing anyway; the interpret-mode tests pass
+        # without it too).
+        def wait_free(t):
+            slot = lax.rem(t, jnp.int32(depth))
+            plgpu.barrier_wait(k_free_ref.at[slot])
+            plgpu.barrier_wait(v_free_ref.at[slot])
+
+        for i in range(depth):
+            pl.when(total + i >= depth)(functools.partial(wait_free, total + i))
+
     @pl.when(wg == wgs)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
@@ -334,18 +347,7 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
 
         total, _, _ = lax.fori_loop(0, num_items, run_item,
                                     (jnp.int32(0), item(0), first_page_ids(0)))
-        # Observe the ring's last releases too (those of blocks total - stages ..
-        # total - 1), so every barrier phase this thread waits on is seen through
-        # (interpret mode checks it; on the GPU the consumer is finishing anyway).
-        def drain(t):
-            @pl.when(t >= stages)
-            def _():
-                slot = lax.rem(t, jnp.int32(stages))
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-
-        for i in range(stages):
-            drain(total + i)
+        drain(total, stages, k_free, v_free)
 
     if upcaster:
         @pl.when(wg == wgs + 1)
@@ -374,16 +376,7 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
             # The CTA's blocks, in the producer's order (its items' blocks one after another).
             total = lax.fori_loop(0, num_items, lambda j, n: n + item(j)[8], jnp.int32(0))
             lax.fori_loop(0, total, upcast_block, jnp.int32(0))
-
-            def drain16(t):  # observe the ring's last releases (as the producer's `drain`)
-                @pl.when(t >= UPCAST_STAGES)
-                def _():
-                    slot16 = lax.rem(t, jnp.int32(UPCAST_STAGES))
-                    plgpu.barrier_wait(k16_free.at[slot16])
-                    plgpu.barrier_wait(v16_free.at[slot16])
-
-            for i in range(UPCAST_STAGES):
-                drain16(total + i)
+            drain(total, UPCAST_STAGES, k16_free, v16_free)
 
     pingpong = turn is not None
 
