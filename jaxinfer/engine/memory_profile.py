@@ -41,16 +41,12 @@ def probe_shapes(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens:
     counted), all with logprobs."""
     max_len = runner.max_pages_per_seq * runner.page_size
     shapes = runner.warmup_shapes(max_num_seqs, max_num_batched_tokens, decode_steps, max_len)
-    by_steps = {}  # one-step and multi-step batches
-    for s in shapes:
-        if s.kind != "sample":
-            continue
-        key = (s.num_tokens, s.pages_per_seq, s.filtered)  # filtered: the loop's draw sorts
-        if s.num_steps not in by_steps or key > (
-                by_steps[s.num_steps].num_tokens, by_steps[s.num_steps].pages_per_seq,
-                by_steps[s.num_steps].filtered):
-            by_steps[s.num_steps] = s
-    largest = [s for _, s in sorted(by_steps.items())]
+    def size(s):  # filtered: the multi-step loop's draw sorts
+        return s.num_tokens, s.pages_per_seq, s.filtered
+
+    steps = sorted({s.num_steps for s in shapes if s.kind == "sample"})  # one- and multi-step
+    largest = [max((s for s in shapes if s.kind == "sample" and s.num_steps == n), key=size)
+               for n in steps]
     draws = [s for s in shapes if s.kind == "draw"]
     if draws:
         largest.append(max(draws, key=lambda s: (s.num_seqs, s.filtered)))  # the sort's
