@@ -12,9 +12,11 @@ Algorithm (flash attention over pages):
   the write zeroes the slots past kv_len of each sequence's last page, unless
   md.zero_tails says the pages are finite already (the runner's).
 - Work list (built with jnp, static length): one entry per (sequence, block of
-  `tokens_per_block` tokens). Queries are gathered into per-entry tiles
+  `tokens_per_block` tokens). Queries are scattered into per-entry tiles
   [Hkv, entries, compute_wgs * 64, D]: the G = Hq / Hkv query heads of a KV
-  head fill the wgmma M dimension (64 rows = 64 // G tokens x G heads).
+  head fill the wgmma M dimension (64 rows = 64 // G tokens x G heads). Only
+  live rows are written; the others hold whatever the buffer held, which stays
+  in their own rows of S, P and O.
 - Work items are (work entry, KV head, KV split) triples. The grid is
   persistent: about one CTA per SM, each running a list of items that XLA
   builds per step (`_schedule`: items sorted by the KV blocks they read and
@@ -160,6 +162,17 @@ def _fit_stages(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
 def _upcaster(cfg: Config, fp8: bool) -> bool:
     """Whether the kernel runs an upcast warpgroup (`Config.fp8_upcaster`)."""
     return fp8 and cfg.fp8_upcaster and cfg.compute_wgs == 1
+
+
+def _max_entries(num_tokens: int, num_seqs: int, tokens_per_block: int) -> int:
+    """The most work entries a step of T tokens over S sequence slots can need (static).
+
+    A sequence of q >= 1 tokens needs ceil(q / b) <= (q + b - 1) / b entries (b =
+    tokens_per_block), and at most min(S, T) sequences have a token, so all of them need
+    at most (T + min(S, T) (b - 1)) / b: T for a decode step (T = S, b = 2). The query
+    tiles, the output tiles and the schedule are sized by it."""
+    b = tokens_per_block
+    return max(1, (num_tokens + min(num_seqs, num_tokens) * (b - 1)) // b)
 
 
 def _work_list(md: AttentionMetadata, num_entries: int, tokens_per_block: int):
@@ -582,43 +595,66 @@ def _tile_rows(work, group: int, cfg: Config):
     return work[:, 1:2] + local_token, i % group, live
 
 
-def _tile_queries(q, work, group: int, cfg: Config):
-    """q [T, Hq, D] -> per-entry query tiles [Hkv, entries, wgs * R, D] (dead rows 0).
+def _query_rows(work, num_tokens: int, num_kv_heads: int, group: int, cfg: Config):
+    """For each (token t, KV head h, query head g within it): the row of the tiles viewed
+    as [Hkv * entries * R', D] (R' = wgs * R rows an entry) that computes it -> [T, Hkv, G]
+    int32. A padding token's rows lie past the tiles, each its own, so that the rows are
+    unique (the query scatter is told so)."""
+    token, g, live = _tile_rows(work, group, cfg)  # [entries, R']
+    tiles = token.size  # rows of one KV head's tiles
+    # Invert _tile_rows: which tile row computed each (token, query head within its KV head).
+    dest = jnp.where(live, token * group + g, num_tokens * group).ravel()  # dead: dropped
+    src = jnp.full(num_tokens * group, tiles, jnp.int32).at[dest].set(
+        jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")  # unset: out of range
+    src = src.reshape(num_tokens, 1, group)
+    h = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    past = num_kv_heads * tiles + jnp.arange(num_tokens * num_kv_heads * group,
+                                             dtype=jnp.int32).reshape(src.shape[0], -1, group)
+    rows = jnp.where(src < tiles, h * tiles + src, past)
+    # Computed once, behind a barrier: fused into the gathers and the scatter that use them,
+    # XLA recomputed the work list's cumulative sums for every element they move.
+    return jax.lax.optimization_barrier(rows)
+
+
+def _uninitialized(shape, dtype):
+    """A buffer whose values are whatever its memory held (zeros off the GPU)."""
+    return jax.lax.empty(shape, dtype)
+
+
+def _tile_queries(q, rows, num_entries: int, cfg: Config, dtype):
+    """q [T, Hq, D] -> per-entry query tiles [Hkv, entries, wgs * R, D] in `dtype`, given
+    each query row's tile row (`_query_rows`).
 
     Tiles, not q itself, because a TMA load into tiled shared memory needs a
-    tile-aligned global offset, which a ragged token start is not. One gather of whole
-    D-element rows of q viewed as [T * Hq, D] (dead rows index past its end and read 0).
+    tile-aligned global offset, which a ragged token start is not. One scatter of whole
+    D-element rows into an uninitialized buffer: it writes the live rows only (a decode
+    entry uses G of its rows, a prefill step's decodes G of 128). The kernel reads the
+    dead rows too; their values reach only their own rows of S, P and O (each query row
+    is a wgmma row of its own, with its own softmax), which no one reads back.
     """
     T, Hq, D = q.shape
-    token, g, live = _tile_rows(work, group, cfg)  # [entries, rows]
-    h = jnp.arange(Hq // group, dtype=jnp.int32)[:, None, None]
-    row = jnp.where(live[None], token[None] * Hq + h * group + g[None], T * Hq)
-    # The indices computed once, behind a barrier: fused into the gather, XLA recomputed
-    # the work list's cumulative sums for every element of the tiles.
-    row = jax.lax.optimization_barrier(row.astype(jnp.int32))
-    return jnp.take(q.reshape(T * Hq, D), row, axis=0, mode="fill", fill_value=0)
+    hkv = rows.shape[1]
+    shape = (hkv, num_entries, cfg.compute_wgs * cfg.tile_rows, D)
+    tiles = _uninitialized((math.prod(shape[:-1]), D), dtype)
+    tiles = tiles.at[rows.reshape(-1)].set(q.reshape(T * Hq, D).astype(dtype), mode="drop",
+                                           unique_indices=True)
+    return tiles.reshape(shape)
 
 
-def _gather_rows(out, lse, work, num_tokens: int, group: int, cfg: Config, sinks):
+def _gather_rows(out, lse, rows, sinks):
     """Per-entry output tiles -> out [T, Hq, D], merging KV splits.
 
     out [splits, Hkv, entries, wgs * R, D] (f32 and normalized per split when
-    splits > 1), lse [splits, Hkv, entries, wgs * R] or None. Row (t, h * G + g) of the
-    result is token t, query head g of KV head h; rows no tile computed (padding tokens)
-    are 0. One gather of whole rows of the tiles viewed as [splits, Hkv * entries * R, D],
-    straight into token order (no transpose after).
+    splits > 1), lse [splits, Hkv, entries, wgs * R] or None, rows [T, Hkv, G]
+    (`_query_rows`). Row (t, h * G + g) of the result is token t, query head g of KV head
+    h; rows no tile computed (padding tokens) are 0. One gather of whole rows of the tiles
+    viewed as [splits, Hkv * entries * R, D], straight into token order (no transpose
+    after).
     """
     splits, hkv, entries, rows_per_entry, D = out.shape
     tiles = entries * rows_per_entry
-    # Invert _tile_rows: which tile row computed each (token, query head within its KV head).
-    token, g, live = _tile_rows(work, group, cfg)
-    dest = jnp.where(live, token * group + g, num_tokens * group).ravel()  # dead: dropped
-    src = jnp.full(num_tokens * group, hkv * tiles, jnp.int32).at[dest].set(
-        jnp.arange(dest.shape[0], dtype=jnp.int32), mode="drop")  # unset: out of range
-    src = src.reshape(num_tokens, 1, group)
-    h = jnp.arange(hkv, dtype=jnp.int32)[None, :, None]
-    row = jnp.where(src < hkv * tiles, h * tiles + src, hkv * tiles)  # [T, Hkv, G]
-    row = jax.lax.optimization_barrier(row.reshape(-1))
+    num_tokens, _, group = rows.shape
+    row = rows.reshape(-1)
     out_rows = jnp.take(out.reshape(splits, hkv * tiles, D), row, axis=1, mode="fill",
                         fill_value=0)  # [splits, T * Hq, D]
     if lse is None:
@@ -696,9 +732,10 @@ def attend_pages_mgpu(
     page_indices = jnp.clip(md.page_indices, 0, num_pages - 1)
 
     tokens_per_block = cfg.compute_wgs * (cfg.tile_rows // G)
-    num_entries = -(-T // tokens_per_block) + min(S, T)
+    num_entries = _max_entries(T, S, tokens_per_block)
     work = _work_list(md, num_entries, tokens_per_block)
-    q_tiles = _tile_queries(q, work, G, cfg).astype(compute_dtype)
+    rows = _query_rows(work, T, Hkv, G, cfg)
+    q_tiles = _tile_queries(q, rows, num_entries, cfg, compute_dtype)
 
     split = cfg.num_splits > 1
     out_dtype = jnp.float32 if split else q.dtype
@@ -791,7 +828,7 @@ def attend_pages_mgpu(
         interpret=interpret,
     )(*args)
     # Padding tokens (no CTA computes them) come back as 0, like the reference.
-    out = _gather_rows(results[0], results[1] if split else None, work, T, G, cfg, sinks)
+    out = _gather_rows(results[0], results[1] if split else None, rows, sinks)
     return out.astype(q.dtype)
 
 

@@ -209,6 +209,25 @@ def test_mosaic_configs(name, config, platform):
         mosaic.choose_config = orig
 
 
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("config", ["tile8_split2", "one_cta_two_wg"])
+def test_mosaic_dead_query_rows_stay_in_their_rows(config, platform, monkeypatch):
+    """The query tiles' rows that no token fills hold whatever their memory held; with
+    NaN there, the live outputs still match the oracle (each query row is its own wgmma
+    row and softmax, and the output gather reads live rows only)."""
+    def nan_filled(shape, dtype):
+        return jnp.full(shape, jnp.nan, dtype)
+
+    monkeypatch.setattr(mosaic, "_uninitialized", nan_filled)
+    monkeypatch.setattr(mosaic, "choose_config",
+                        lambda *a, **k: mosaic.Config(*MOSAIC_CONFIGS[config]))
+    mosaic.attend_pages_mgpu.clear_cache()  # traced before with the uninitialized buffer
+    try:
+        check_against_oracle(CASES["mixed"], "mosaic_gpu", platform)
+    finally:
+        mosaic.attend_pages_mgpu.clear_cache()
+
+
 # (block_kv, num_splits) of the Pallas GPU kernel: one split (out written by the kernel)
 # and several (merged by its second kernel), blocks smaller and larger than a page.
 PALLAS_GPU_CONFIGS = {"one_split": (16, 1), "one_split_bk64": (64, 1), "split3": (32, 3),
@@ -330,6 +349,40 @@ def test_mosaic_schedule_deals_every_live_item_once(num_ctas):
     per_cta = [sum(cost[i // (hkv * splits)] for i in items[c, :counts[c]])
                for c in range(num_ctas)]
     assert max(per_cta) - min(per_cta) <= cost.max()
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 2, 8, 32])
+def test_mosaic_work_list_fits_its_static_bound(tokens_per_block):
+    """`_max_entries` work entries hold every live token of any step of T tokens over S
+    slots: random ragged steps, and the steps that need the most entries (every live
+    sequence's length one past a multiple of the block), where the bound is reached."""
+    rng = np.random.default_rng()
+    b = tokens_per_block
+    for trial in range(20):
+        S, T = int(rng.integers(1, 12)), int(rng.integers(1, 80))
+        worst = trial % 2 == 0
+        if worst:  # min(S, T) sequences of 1 + a multiple of b tokens, T of them in all
+            live = min(S, T)
+            blocks = (T - live) // b
+            T = live + blocks * b
+            q = 1 + b * rng.multinomial(blocks, np.ones(live) / live)
+        else:
+            live = int(rng.integers(1, min(S, T) + 1))
+            q = rng.multinomial(T, np.ones(live) / live)  # some sequences get no token
+        cu = np.zeros(S + 1, np.int32)
+        cu[1:live + 1] = np.cumsum(q)
+        cu[live + 1:] = cu[live]
+        kv = np.zeros(S, np.int32)
+        kv[:live] = q + rng.integers(0, 50, live)
+        md = AttentionMetadata(jnp.asarray(cu), jnp.asarray(kv), jnp.zeros((S, 8), jnp.int32),
+                               jnp.asarray([live], jnp.int32))
+        n = mosaic._max_entries(T, S, b)
+        work = np.asarray(mosaic._work_list(md, n, b))
+        assert work[:, 2].sum() == q.sum(), (S, T, q.tolist(), b, n)
+        need = int(np.sum(-(-q // b)))
+        assert need <= n
+        if worst:
+            assert need == n, (S, T, q.tolist(), b)  # reached: no smaller bound holds
 
 
 def describe(num_tokens: int, dtype=jnp.bfloat16, kv_dtype=None, hq=8, hkv=2, d=64,
