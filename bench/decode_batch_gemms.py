@@ -10,6 +10,9 @@ q/k/v and gate/up, o, down). Variants, each a jitted function timed on the same 
   splitK=s     x and W cut into s pieces along K, one batched dot [s, M, N] in float32,
                summed over s; W viewed as [N, s, K/s] (XLA may copy it to batch-major).
   pre=s        the same with W stored batch-major, [s, N, K/s] (arranged once, untimed).
+  grouped      the Mosaic grouped matmul (`jaxinfer.mosaic.grouped_matmul`) as one group of
+               M rows: its own tile choice (128-row token windows up to 384 rows)
+  grouped256   the same with 256-row token windows (one window at M = 256)
 
 Times are CUPTI kernel-time medians with the weight read from one of several copies in
 turn (more bytes than the L2 holds), as a decode step streams each layer's own weights.
@@ -22,6 +25,7 @@ variant's output is checked against a float32 dot of the same inputs first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -31,6 +35,19 @@ import numpy as np
 from jaxinfer.benchmarks.harness import Rotating, copies, measure_ceilings, median_seconds
 from jaxinfer.loading.presets import preset_config
 from jaxinfer.ops.linear_registry import linear
+
+
+def one_group(x, w, max_rows: int | None = None):
+    """x [M, K] @ W^T through the Mosaic grouped matmul, as one group of M rows."""
+    from jaxinfer.mosaic import grouped_matmul as gm  # GPU only
+
+    m, k = x.shape
+    config = None
+    if max_rows is not None:
+        config = dataclasses.replace(gm.choose_config(m, 1, w.shape[0], k, gm.num_sms()),
+                                     max_rows=max_rows, last_extra=0, num_stages=3)
+    return gm.grouped_matmul_mgpu(x, w[None], jnp.full((1,), m, jnp.int32),
+                                  groups_aligned=m % 8 == 0, config=config)
 
 
 def projections(config) -> dict[str, tuple[int, int]]:
@@ -66,6 +83,8 @@ def main():
     ap.add_argument("--ms", default="32,64,128")
     ap.add_argument("--splits", default="2,4")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated labels to run (default: all but the grouped ones)")
     args = ap.parse_args()
     c = measure_ceilings()
     print(c.line(), flush=True)
@@ -78,6 +97,11 @@ def main():
         variants[f"splitK={s}"] = (jax.jit(functools.partial(split_k, s=s)), as_is)
         variants[f"pre={s}"] = (jax.jit(functools.partial(split_k, s=s, stored=True)),
                                 functools.partial(batch_major, s=s))
+    variants["grouped"] = (jax.jit(one_group), as_is)
+    variants["grouped256"] = (jax.jit(functools.partial(one_group, max_rows=256)), as_is)
+    chosen = (args.variants.split(",") if args.variants
+              else [v for v in variants if not v.startswith("grouped")])
+    variants = {v: variants[v] for v in chosen}
     key = jax.random.key(0)
     print("| proj | N x K | M | floor us | " + " | ".join(variants) + " | best % floor |")
     print("| --- " * (5 + len(variants)) + "|")
