@@ -11,7 +11,8 @@ q/k/v and gate/up, o, down). Variants, each a jitted function timed on the same 
                summed over s; W viewed as [N, s, K/s] (XLA may copy it to batch-major).
   pre=s        the same with W stored batch-major, [s, N, K/s] (arranged once, untimed).
   grouped      the Mosaic grouped matmul (`jaxinfer.mosaic.grouped_matmul`) as one group of
-               M rows: its own tile choice (128-row token windows up to 384 rows)
+               M rows, with its own tile choice (`choose_config`: 128-row token windows
+               at M = 256)
   grouped256   the same with 256-row token windows (one window at M = 256)
 
 Times are CUPTI kernel-time medians with the weight read from one of several copies in
@@ -101,6 +102,8 @@ def main():
     variants["grouped256"] = (jax.jit(functools.partial(one_group, max_rows=256)), as_is)
     chosen = (args.variants.split(",") if args.variants
               else [v for v in variants if not v.startswith("grouped")])
+    if unknown := sorted(set(chosen) - set(variants)):
+        ap.error(f"--variants {','.join(unknown)}: expected some of {','.join(variants)}")
     variants = {v: variants[v] for v in chosen}
     key = jax.random.key(0)
     print("| proj | N x K | M | floor us | " + " | ".join(variants) + " | best % floor |")
