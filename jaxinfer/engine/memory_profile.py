@@ -44,9 +44,9 @@ def probe_shapes(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens:
     def size(s):  # filtered: the multi-step loop's draw sorts
         return s.num_tokens, s.pages_per_seq, s.filtered
 
-    steps = sorted({s.num_steps for s in shapes if s.kind == "sample"})  # one- and multi-step
-    largest = [max((s for s in shapes if s.kind == "sample" and s.num_steps == n), key=size)
-               for n in steps]
+    samples = [s for s in shapes if s.kind == "sample"]
+    steps = sorted({s.num_steps for s in samples})  # one- and multi-step batches
+    largest = [max((s for s in samples if s.num_steps == n), key=size) for n in steps]
     draws = [s for s in shapes if s.kind == "draw"]
     if draws:
         largest.append(max(draws, key=lambda s: (s.num_seqs, s.filtered)))  # the sort's
