@@ -155,7 +155,12 @@ def test_bench_throughput_tiny(tmp_path):
     assert data["tokens_run"] == data["prompt_tokens"] + 6 * (4 - 1)
     assert 0 < data["decode_steps_run"] < data["steps"] and data["decode_tokens_per_s"] > 0
     assert data["floor_seconds"] < data["seconds"]
-    assert [r["name"].split(" (")[0] for r in data["rows"]] == ["whole run", "decode-only steps"]
+    assert [r["name"].split(" (")[0] for r in data["rows"]] == [
+        "whole run", "decode-only steps", "steps with a prompt chunk"]
+    # The steps split into the two kinds; their times add up to within the run's wall time.
+    assert data["decode_steps_run"] + data["prompt_steps_run"] == data["steps"]
+    assert 0 < data["decode_steps_seconds"] + data["prompt_steps_seconds"] <= data["seconds"]
+    assert 0 < data["prompt_steps_floor_seconds"] < data["floor_seconds"]
     _check_rows(data)
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))  # the jax.profiler trace
 

@@ -87,9 +87,10 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     weights per token run, plus attention) at the matmul rate and its bytes (the weights
     once per device iteration and dp replica, one input embedding row per token run, every
     live token's K/V once per iteration) at the copy bandwidth; a run's floor is the sum of
-    its steps' floors. Two rows: the whole run (prefill included), and its decode-only steps
+    its steps' floors. Three rows: the whole run (prefill included); its decode-only steps
     (every request of the step decoding; requests may wait for a sequence slot meanwhile),
-    the batch's decode roofline."""
+    the batch's decode roofline; and the steps that ran a prompt chunk (with the decodes
+    beside it), so that the run's time splits between the two kinds of step."""
     rng = np.random.default_rng(seed)
     c, engine = llm.config, llm.engine
     lens = rng.integers(max(input_len // 2, 1), input_len + 1, num_requests)
@@ -112,9 +113,10 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
         start = time.perf_counter()
         for p in prompts:
             engine.add_request(p, params)
-        # totals over all steps ("all") and over the decode-only ones ("decode")
+        # totals over all steps ("all"), the decode-only ones ("decode") and the others
+        # ("prompt": a prompt chunk ran)
         tot = {k: dict(seconds=0.0, bytes=0.0, flops=0.0, floor=0.0, steps=0, tokens=0,
-                       queries=0) for k in ("all", "decode")}
+                       queries=0) for k in ("all", "decode", "prompt")}
         while engine.has_unfinished():
             t = time.perf_counter()
             deltas = engine.step()
@@ -142,7 +144,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
             kv_bytes = kv_tokens * kv_token
             step_bytes = iterations * w_bytes * replicas + queries * row_bytes + kv_bytes
             floor = max(step_bytes / cd.copy_bytes_per_s, flops / cd.matmul_flops_per_s)
-            for key in ("all", "decode") if decode_only else ("all",):
+            for key in ("all", "decode" if decode_only else "prompt"):
                 k = tot[key]
                 k["seconds"] += seconds
                 k["bytes"] += step_bytes
@@ -159,7 +161,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
     with gc_pauses() as pauses, heap_frozen():  # as LLM.generate and the server run
         tot = run([rng.integers(2, c.vocab_size, n).tolist() for n in lens])
-    a, d = tot["all"], tot["decode"]
+    a, d, p = tot["all"], tot["decode"], tot["prompt"]
     summary = {"num_requests": num_requests, "input_len": input_len, "output_len": output_len,
                "temperature": temperature, "top_p": top_p, "page_size": llm.runner.page_size,
                "seconds": a["seconds"], "steps": a["steps"], "output_tokens": a["tokens"],
@@ -170,6 +172,8 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
                "floor_seconds": a["floor"], "decode_steps_run": d["steps"],
                "decode_tokens_per_s": d["tokens"] / d["seconds"] if d["steps"] else 0.0,
                "decode_roofline_tokens_per_s": d["tokens"] / d["floor"] if d["steps"] else 0.0,
+               "decode_steps_seconds": d["seconds"], "prompt_steps_run": p["steps"],
+               "prompt_steps_seconds": p["seconds"], "prompt_steps_floor_seconds": p["floor"],
                # the host's garbage collections in the timed pass: count and seconds
                "gc_collections": sum(n for n, _ in pauses.values()),
                "gc_full_collections": pauses[2][0], "gc_seconds": sum(
@@ -180,6 +184,9 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
     if d["steps"]:
         rows.append(roofline(f"decode-only steps ({d['steps']}, {d['tokens']} tokens)",
                              d["seconds"], d["bytes"], d["flops"], cd, floor=d["floor"]))
+    if p["steps"]:
+        rows.append(roofline(f"steps with a prompt chunk ({p['steps']}, {p['queries']} tokens "
+                             "run)", p["seconds"], p["bytes"], p["flops"], cd, floor=p["floor"]))
     return summary, rows
 
 
