@@ -422,151 +422,185 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
             dst[...] = plgpu.load(src, layout=plgpu.Layout.WGMMA).astype(dst.dtype)
             plgpu.commit_smem()
 
+        def ring(t):
+            """The slot of the t-th KV block of this CTA and its (ready, free, tile) for K
+            and for V: the producer's ring, or the upcast warpgroup's f16 ring."""
+            if upcaster:
+                slot = lax.rem(t, jnp.int32(UPCAST_STAGES))
+                return (slot, (k16_ready, k16_free, k16_smem.at[slot]),
+                        (v16_ready, v16_free, v16_smem.at[slot]))
+            slot = lax.rem(t, jnp.int32(stages))
+            return (slot, (k_ready, k_free, k_smem.at[slot]),
+                    (v_ready, v_free, v_smem.at[slot]))
+
+        def next_q(j):
+            # Every wgmma that read q_smem has finished (its scores were read): the next
+            # item's queries may load.
+            @pl.when(j + 1 < num_items)
+            def _():
+                load_q(j + 1)
+
+        def pass_block(i, t0):
+            """A block's barriers as `step` meets them (its turns included), without its
+            products: for a warpgroup with no rows in the item."""
+            slot, (k_ready_, k_free_, _), (v_ready_, v_free_, _) = ring(t0 + i)
+            plgpu.barrier_wait(k_ready_.at[slot])
+            if pingpong:
+                take_turn()
+            plgpu.barrier_arrive(k_free_.at[slot])
+            if pingpong:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_ready_.at[slot])
+                plgpu.barrier_wait(turn)
+            else:
+                plgpu.barrier_wait(v_ready_.at[slot])
+            plgpu.barrier_arrive(v_free_.at[slot])
+            return t0
+
         def run_item(j, t0):
             h, entry, split, _, num_tokens, pos0, kv_len, lo, steps = item(j)
             wg_first = jnp.minimum(wg * tokens_per_wg, num_tokens)  # token offset in the block
             wg_tokens = jnp.clip(num_tokens - wg * tokens_per_wg, 0, tokens_per_wg)
             with jax.named_scope("wait_q"):
                 plgpu.barrier_wait(q_ready.at[wg])
-            m_i = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), row_layout)
-            l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
-            acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA)
-            q_pos = pos0 + wg_first + lax.div(rows, jnp.int32(group))
-            row_live = lax.div(rows, jnp.int32(group)) < wg_tokens
 
-            def step(i, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = lax.rem(t0 + i, jnp.int32(stages))
-                block = lo + i
-                if upcaster:  # f16 blocks from the upcast warpgroup's ring
-                    slot = lax.rem(t0 + i, jnp.int32(UPCAST_STAGES))
-                    k_ready_, k_free_, k_tile = k16_ready, k16_free, k16_smem.at[slot]
-                    v_ready_, v_free_, v_tile = v16_ready, v16_free, v16_smem.at[slot]
-                else:
-                    k_ready_, k_free_, k_tile = k_ready, k_free, k_smem.at[slot]
-                    v_ready_, v_free_, v_tile = v_ready, v_free, v_smem.at[slot]
-                with jax.named_scope("wait_k"):
-                    plgpu.barrier_wait(k_ready_.at[slot])
-                if fp8 and not upcaster:
-                    upcast(k_tile, k16_smem.at[wg])
-                    k_tile = k16_smem.at[wg]
+            @pl.when(wg_tokens > 0)
+            def _attend():
+                m_i = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), row_layout)
+                l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
+                acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA)
+                q_pos = pos0 + wg_first + lax.div(rows, jnp.int32(group))
+                row_live = lax.div(rows, jnp.int32(group)) < wg_tokens
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_tile.transpose((1, 0)))
-                    if pingpong:  # while this product runs, the other's softmax ends
-                        take_turn()
-                    return acc_ref[...]
-                with jax.named_scope("qk"):
-                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free_.at[slot])
-                if soft_cap is not None:
-                    s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
-                else:
-                    s = s * score_scale
-                if masked:
-                    kv_pos = block * bk + cols
-                    keep = (kv_pos <= q_pos) & (kv_pos < kv_len) & row_live
-                    if sliding_window is not None:
-                        keep = keep & (q_pos - kv_pos < sliding_window)
-                    s = jnp.where(keep, s, MASKED)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if pingpong:
-                    # The softmax done (the barrier keeps its math ahead of the turn),
-                    # hand over, then wait until the other's QK^T has been issued.
-                    acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
-                    plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_ready_.at[slot])
-                    plgpu.barrier_wait(turn)
-                else:
-                    plgpu.barrier_wait(v_ready_.at[slot])
-                if fp8 and not upcaster:
-                    upcast(v_tile, v16_smem.at[wg])
-                    v_tile = v16_smem.at[wg]
+                def step(i, carry, masked: bool):
+                    acc, m_i, l_i = carry
+                    block = lo + i
+                    slot, (k_ready_, k_free_, k_tile), (v_ready_, v_free_, v_tile) = ring(t0 + i)
+                    with jax.named_scope("wait_k"):
+                        plgpu.barrier_wait(k_ready_.at[slot])
+                    if fp8 and not upcaster:
+                        upcast(k_tile, k16_smem.at[wg])
+                        k_tile = k16_smem.at[wg]
 
-                p16 = p.astype(q_smem.dtype)
-                if p_smem is not None:  # interpret mode: wgmma's A operand must be in SMEM
-                    p_smem.at[wg][...] = p16
-                    plgpu.commit_smem()
-                    p16 = p_smem.at[wg]
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_tile)
-                    return acc_ref[...]
-                with jax.named_scope("pv"):
-                    if p_smem is None:  # on the GPU: accumulate into acc in place
-                        acc = pl.run_state(lambda r: plgpu.wgmma(r, p16, v_tile))(
-                            plgpu.ACC.init(acc))
-                    else:  # interpret mode has no preinitialised accumulator
-                        acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim),
-                                                                jnp.float32))
-                plgpu.barrier_arrive(v_free_.at[slot])
-                return acc, m_new, l_i
-
-            # Blocks that need no mask: inside every token's window (the last token's starts
-            # latest) and at or before the first token causally (so kv_len cannot bite).
-            full_lo = jnp.int32(0)
-            if cfg.mask_every_block:
-                full_lo = steps
-            elif sliding_window is not None:
-                last_pos = pos0 + num_tokens - 1
-                full_lo = (jnp.maximum(last_pos - sliding_window + 1, 0) + bk - 1) // bk - lo
-            full_hi = (pos0 + 1) // bk - lo
-            a = jnp.clip(full_lo, 0, steps)
-            b = jnp.clip(full_hi, a, steps)
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
-            acc, m_i, l_i = lax.fori_loop(b, steps, functools.partial(step, masked=True),
-                                          carry)
-
-            # Every wgmma that read q_smem has finished (its scores were read): the next
-            # item's queries load while this one's output is written.
-            @pl.when(j + 1 < num_items)
-            def _():
-                load_q(j + 1)
-
-            # The previous item's output stores must have read o_smem / lse_smem.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            if splits == 1:
-                if sinks_ref is not None:
-                    sink = plgpu.load(sinks_ref.at[h], layout=row_layout,
-                                      optimized=False) * LOG2E
-                    m_new = jnp.maximum(m_i, sink)
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_tile.transpose((1, 0)))
+                        if pingpong:  # while this product runs, the other's softmax ends
+                            take_turn()
+                        return acc_ref[...]
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk, plgpu.ACC((ROWS, bk), jnp.float32))
+                    plgpu.barrier_arrive(k_free_.at[slot])
+                    if soft_cap is not None:
+                        s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2E)
+                    else:
+                        s = s * score_scale
+                    if masked:
+                        kv_pos = block * bk + cols
+                        keep = (kv_pos <= q_pos) & (kv_pos < kv_len) & row_live
+                        if sliding_window is not None:
+                            keep = keep & (q_pos - kv_pos < sliding_window)
+                        s = jnp.where(keep, s, MASKED)
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
                     alpha = jnp.exp2(m_i - m_new)
-                    l_i = l_i * alpha + jnp.exp2(sink - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    l_i = l_i * alpha + p.sum(axis=1)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                out = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-                if v_scale is not None:
-                    out = out * v_scale
-                o_smem.at[wg][...] = out.astype(o_smem.dtype)
-                plgpu.commit_smem()
+                    if pingpong:
+                        # The softmax done (the barrier keeps its math ahead of the turn),
+                        # hand over, then wait until the other's QK^T has been issued.
+                        acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
+                        plgpu.barrier_arrive(turn)
+                        plgpu.barrier_wait(v_ready_.at[slot])
+                        plgpu.barrier_wait(turn)
+                    else:
+                        plgpu.barrier_wait(v_ready_.at[slot])
+                    if fp8 and not upcaster:
+                        upcast(v_tile, v16_smem.at[wg])
+                        v_tile = v16_smem.at[wg]
 
-                @pl.when(wg_tokens > 0)
-                def _():
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[
-                        0, h, entry, pl.ds(wg * tile_rows, tile_rows)])
-            else:
-                out = acc / lax.broadcast_in_dim(jnp.where(l_i == 0, 1.0, l_i), acc.shape, [0])
-                if v_scale is not None:
-                    out = out * v_scale
-                # Natural-log LSE; an empty split has l = 0 -> -inf (weight 0 in the combine).
-                lse = jnp.where(l_i == 0, -jnp.inf,
-                                (m_i + jnp.log2(jnp.where(l_i == 0, 1.0, l_i))) / LOG2E)
-                o_smem.at[wg][...] = out.astype(o_smem.dtype)
-                lse_smem.at[wg][...] = lse
-                plgpu.commit_smem()
+                    p16 = p.astype(q_smem.dtype)
+                    if p_smem is not None:  # interpret mode: wgmma's A operand must be in SMEM
+                        p_smem.at[wg][...] = p16
+                        plgpu.commit_smem()
+                        p16 = p_smem.at[wg]
 
-                @pl.when(wg_tokens > 0)
-                def _():
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[
-                        split, h, entry, pl.ds(wg * tile_rows, tile_rows)])
-                    plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, tile_rows)], lse_ref.at[
-                        split, h, entry, pl.ds(wg * tile_rows, tile_rows)])
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_tile)
+                        return acc_ref[...]
+                    with jax.named_scope("pv"):
+                        if p_smem is None:  # on the GPU: accumulate into acc in place
+                            acc = pl.run_state(lambda r: plgpu.wgmma(r, p16, v_tile))(
+                                plgpu.ACC.init(acc))
+                        else:  # interpret mode has no preinitialised accumulator
+                            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim),
+                                                                    jnp.float32))
+                    plgpu.barrier_arrive(v_free_.at[slot])
+                    return acc, m_new, l_i
+
+                # Blocks that need no mask: inside every token's window (the last token's starts
+                # latest) and at or before the first token causally (so kv_len cannot bite).
+                full_lo = jnp.int32(0)
+                if cfg.mask_every_block:
+                    full_lo = steps
+                elif sliding_window is not None:
+                    last_pos = pos0 + num_tokens - 1
+                    full_lo = (jnp.maximum(last_pos - sliding_window + 1, 0) + bk - 1) // bk - lo
+                full_hi = (pos0 + 1) // bk - lo
+                a = jnp.clip(full_lo, 0, steps)
+                b = jnp.clip(full_hi, a, steps)
+                carry = (acc, m_i, l_i)
+                carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
+                carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+                acc, m_i, l_i = lax.fori_loop(b, steps, functools.partial(step, masked=True),
+                                              carry)
+
+                next_q(j)  # while this item's output is written
+
+                # The previous item's output stores must have read o_smem / lse_smem.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if splits == 1:
+                    if sinks_ref is not None:
+                        sink = plgpu.load(sinks_ref.at[h], layout=row_layout,
+                                          optimized=False) * LOG2E
+                        m_new = jnp.maximum(m_i, sink)
+                        alpha = jnp.exp2(m_i - m_new)
+                        l_i = l_i * alpha + jnp.exp2(sink - m_new)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    out = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+                    if v_scale is not None:
+                        out = out * v_scale
+                    o_smem.at[wg][...] = out.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)],
+                                            out_ref.at[0, h, entry, pl.ds(wg * tile_rows,
+                                                                          tile_rows)])
+                else:
+                    l_safe = jnp.where(l_i == 0, 1.0, l_i)
+                    out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+                    if v_scale is not None:
+                        out = out * v_scale
+                    # Natural-log LSE; an empty split has l = 0 -> -inf (weight 0 in the
+                    # combine).
+                    lse = jnp.where(l_i == 0, -jnp.inf, (m_i + jnp.log2(l_safe)) / LOG2E)
+                    o_smem.at[wg][...] = out.astype(o_smem.dtype)
+                    lse_smem.at[wg][...] = lse
+                    plgpu.commit_smem()
+                    rows_out = pl.ds(wg * tile_rows, tile_rows)
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)],
+                                            out_ref.at[split, h, entry, rows_out])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg, pl.ds(0, tile_rows)],
+                                            lse_ref.at[split, h, entry, rows_out])
+
+            # A warpgroup with no rows of this item (a decode in a two-warpgroup step has
+            # one token, in the first): its products would only hold the tensor cores,
+            # which the two take in turns, so it passes the blocks through the barriers
+            # alone, as the other computes them.
+            @pl.when(wg_tokens == 0)
+            def _pass():
+                lax.fori_loop(0, steps, pass_block, t0)
+                next_q(j)
+
             return t0 + steps
 
         lax.fori_loop(0, num_items, run_item, jnp.int32(0))
