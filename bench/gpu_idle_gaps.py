@@ -5,6 +5,12 @@ traced steps, the idle time split by gap length, and the longest gaps with the k
 around them and the host work (XLA runtime annotations) running while the GPU waited.
 
     python bench/gpu_idle_gaps.py --preset llama3-8b --batch 1 --decode-steps 8
+
+With --arrivals N, N prompts of --prompt-len tokens (asking for one token each) arrive
+before every step, so each traced step prefills them beside the decodes (the throughput
+run's steps with a prompt chunk, as bench/mixed_step.py runs them):
+
+    python bench/gpu_idle_gaps.py --batch 240 --ctx 384 --decode-steps 1 --arrivals 7
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import json
 import tempfile
 
 import jax
+import numpy as np
 from jax.profiler import ProfileData
 
+from jaxinfer import SamplingParams
 from jaxinfer.benchmarks.end_to_end import decoding_llm, workload_parser
 
 
@@ -58,10 +66,23 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="longest gaps listed")
     ap.add_argument("--no-overlap", action="store_true",
                     help="synchronous engine steps (the next one planned after this one)")
+    ap.add_argument("--arrivals", type=int, default=0, help="prompts arriving before each step")
+    ap.add_argument("--prompt-len", type=int, default=256, help="each arriving prompt")
     args = ap.parse_args()
     llm, _ = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
-                          args.mesh, page_size=args.page_size)
+                          args.mesh, page_size=args.page_size, extra_seqs=args.arrivals)
     llm.engine.overlap = llm.engine.overlap and not args.no_overlap
+    rng = np.random.default_rng(0)
+    once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def step():
+        for _ in range(args.arrivals):  # random ids: no prefix-cache hits between prompts
+            llm.engine.add_request(
+                rng.integers(2, llm.config.vocab_size, args.prompt_len).tolist(), once)
+        llm.engine.step()
+
+    for _ in range(6 if args.arrivals else 0):
+        step()  # compile the shapes with prompt chunks, fill the pipeline
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # the Python tracer's own cost would widen the gaps
     options.host_tracer_level = 2  # XLA runtime annotations (executions, thunks, copies)
@@ -69,7 +90,7 @@ def main():
         with jax.profiler.trace(trace_dir, profiler_options=options):
             for _ in range(args.steps):
                 with jax.profiler.TraceAnnotation("engine_step"):
-                    llm.engine.step()
+                    step()
         path = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1]
         planes = list(ProfileData.from_file(path).planes)
     steps = sorted((s, e) for s, e, n in host_events(planes) if n == "engine_step")

@@ -195,11 +195,12 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
 
 def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: int,
                  mesh_spec: str | None, min_kv_bytes: int = 8 << 30, page_size: int = 16,
-                 quantize: str | None = None):
+                 quantize: str | None = None, extra_seqs: int = 0):
     """(LLM, mesh) with `batch` requests of `ctx` prompt tokens prefilled and decoding (decode
     shapes compiled), with room for 8 measurements of `steps` engine steps. The KV pool holds
     every sequence's whole length, and at least `min_kv_bytes`. `quantize`: the preset's
-    projections quantized to this format."""
+    projections quantized to this format. `extra_seqs`: sequence slots beyond the batch, for
+    prompts that arrive while it decodes."""
     config = preset_config(preset)
     max_len = ctx + 8 * steps * decode_steps + 64
     mesh = MeshSpec.parse(mesh_spec).meshes()[0]
@@ -207,7 +208,7 @@ def decoding_llm(preset: str, batch: int, ctx: int, decode_steps: int, steps: in
     kv_bytes = batch * max_len * config.kv_bytes_per_token(2)  # bf16
     llm = LLM(random_model(config, jnp.bfloat16, mesh=mesh, quantize=quantize),
               kv_cache_bytes=max(min_kv_bytes, int(1.1 * kv_bytes)),
-              max_model_len=max_len, max_num_seqs=batch, decode_steps=decode_steps,
+              max_model_len=max_len, max_num_seqs=batch + extra_seqs, decode_steps=decode_steps,
               mesh=mesh_spec, page_size=page_size)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_len - ctx - 1, ignore_eos=True)
