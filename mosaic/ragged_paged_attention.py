@@ -16,7 +16,9 @@ Algorithm (flash attention over pages):
   [Hkv, entries, compute_wgs * 64, D]: the G = Hq / Hkv query heads of a KV
   head fill the wgmma M dimension (64 rows = 64 // G tokens x G heads). Only
   live rows are written; the others hold whatever the buffer held, which stays
-  in their own rows of S, P and O.
+  in their own rows of S, P and O. Decode steps (`Config.queries_in_place`: one
+  token an entry) skip the scatter: a KV head's G rows of a token are one
+  tile-aligned box of q itself.
 - Work items are (work entry, KV head, KV split) triples. The grid is
   persistent: about one CTA per SM, each running a list of items that XLA
   builds per step (`_schedule`: items sorted by the KV blocks they read and
@@ -97,6 +99,11 @@ class Config:
     # to f16 once, into a ring of UPCAST_STAGES blocks, so the upcast runs beside the
     # consumer's products instead of before them.
     fp8_upcaster: bool = True
+    # One token an entry, its query rows loaded straight from q viewed as
+    # [T * Hq / R, R, D] (R = tile_rows): a KV head's G rows of a token lie in one box, at
+    # row (h G) % R, beside other heads' rows, which compute in their own rows unread.
+    # No query scatter then. Set where the step allows it (`with_queries_in_place`).
+    queries_in_place: bool = False
 
 
 def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: int,
@@ -134,6 +141,34 @@ def batch_invariant_config(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Con
 
 
 SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit
+
+
+def queries_in_place_reason(cfg: Config, num_tokens: int, num_seqs: int, num_q_heads: int,
+                            group: int, fp8: bool) -> str | None:
+    """Why `cfg` cannot load its queries straight from q for this step (None if it can).
+
+    One consumer warpgroup and at most one token a sequence slot on average (each token
+    becomes an entry of its own, so a sequence of k tokens reads its pages k times); the
+    tile of R = tile_rows rows must hold whole KV heads (G divides R) and never cross a
+    token (R divides Hq); pages in q's dtype (fp8 pages need the queries in f16, which the
+    scatter converts)."""
+    rows = cfg.tile_rows
+    if cfg.compute_wgs != 1:
+        return f"{cfg.compute_wgs} consumer warpgroups (one needed)"
+    if num_tokens > num_seqs:
+        return f"{num_tokens} tokens over {num_seqs} sequence slots (at most one each)"
+    if rows % group or num_q_heads % rows:
+        return f"tile_rows {rows}: must be a multiple of G {group} and divide Hq {num_q_heads}"
+    if fp8:
+        return "fp8 pages (the queries go to f16 through the scatter)"
+    return None
+
+
+def with_queries_in_place(cfg: Config, num_tokens: int, num_seqs: int, num_q_heads: int,
+                          group: int, fp8: bool) -> Config:
+    """`cfg` with `queries_in_place` on where the step allows it (`queries_in_place_reason`)."""
+    ok = queries_in_place_reason(cfg, num_tokens, num_seqs, num_q_heads, group, fp8) is None
+    return dataclasses.replace(cfg, queries_in_place=ok)
 
 
 def _fit_stages(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
@@ -270,7 +305,8 @@ def _item_rows(items, work, page_indices, *, num_kv_heads: int, num_splits: int,
 
 def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_pages_ref,
                       v_pages_ref, sinks_ref, out_ref, lse_ref, scratch, *, cfg: Config,
-                      group: int, head_dim: int, page_size: int, sm_scale: float,
+                      group: int, num_q_heads: int, head_dim: int, page_size: int,
+                      sm_scale: float,
                       sliding_window: int | None, soft_cap: float | None, fp8: bool,
                       v_scale: float | None):
     (q_smem, k_smem, v_smem, o_smem, lse_smem, k16_smem, v16_smem, p_smem,
@@ -281,7 +317,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
     bk, stages, wgs, splits = cfg.block_kv, cfg.num_stages, cfg.compute_wgs, cfg.num_splits
     pages_per_block = bk // page_size
     tile_rows = cfg.tile_rows
-    tokens_per_wg = tile_rows // group
+    in_place = cfg.queries_in_place
+    tokens_per_wg = 1 if in_place else tile_rows // group
     max_pages = page_indices_ref.shape[1]
     max_items = item_rows_ref.shape[1]
     num_items = counts_ref[cta]
@@ -410,8 +447,12 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
             # Only tile_rows query rows are loaded; the other rows of the 64-row wgmma tile
             # hold stale values, and every row's softmax and output are its own.
             h, entry = item(j)[:2]
-            plgpu.copy_gmem_to_smem(q_ref.at[h, entry, pl.ds(wg * tile_rows, tile_rows)],
-                                    q_smem.at[wg, pl.ds(0, tile_rows)], q_ready.at[wg])
+            if in_place:  # entry e is token e; its KV head h's rows: box (e Hq + h G) / R
+                src = q_ref.at[entry * (num_q_heads // tile_rows)
+                               + lax.div(h * group, jnp.int32(tile_rows))]
+            else:
+                src = q_ref.at[h, entry, pl.ds(wg * tile_rows, tile_rows)]
+            plgpu.copy_gmem_to_smem(src, q_smem.at[wg, pl.ds(0, tile_rows)], q_ready.at[wg])
 
         load_q(0)  # before the item count is known (a CTA without items waits for it below)
         if pingpong:  # the second warpgroup starts a turn behind; the first ends one behind
@@ -470,8 +511,11 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                 l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
                 acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
                                         plgpu.Layout.WGMMA)
-                q_pos = pos0 + wg_first + lax.div(rows, jnp.int32(group))
-                row_live = lax.div(rows, jnp.int32(group)) < wg_tokens
+                # A row's token within the warpgroup's share (in place: every row of the box
+                # is the entry's one token, other heads' rows included).
+                row_token = rows * 0 if in_place else lax.div(rows, jnp.int32(group))
+                q_pos = pos0 + wg_first + row_token
+                row_live = row_token < wg_tokens
 
                 def step(i, carry, masked: bool):
                     acc, m_i, l_i = carry
@@ -650,6 +694,20 @@ def _query_rows(work, num_tokens: int, num_kv_heads: int, group: int, cfg: Confi
     return jax.lax.optimization_barrier(rows)
 
 
+def _query_rows_in_place(md: AttentionMetadata, num_tokens: int, num_kv_heads: int,
+                         group: int, cfg: Config):
+    """`_query_rows` for `Config.queries_in_place`: token t is entry t, and query head g of
+    KV head h sits at row (h G) % R + g of its tile (R = tile_rows). Padding tokens' rows
+    lie past the tiles (their outputs read back as 0)."""
+    rows = cfg.tile_rows
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[:, None, None]
+    h = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    g = jnp.arange(group, dtype=jnp.int32)[None, None, :]
+    tiles = num_tokens * rows  # rows of one KV head's tiles
+    live = t < md.cu_q_lens[md.num_seqs[0]]
+    return jnp.where(live, h * tiles + t * rows + (h * group) % rows + g, num_kv_heads * tiles)
+
+
 def _uninitialized(shape, dtype):
     """A buffer whose values are whatever its memory held (zeros off the GPU)."""
     return jax.lax.empty(shape, dtype)
@@ -761,15 +819,26 @@ def attend_pages_mgpu(
         raise ValueError(f"mosaic attention: block_kv {bk} must be a multiple of 64 and of "
                          f"page_size {page_size}")
 
+    if config is None:
+        cfg = with_queries_in_place(cfg, T, S, Hq, G, fp8)
+    elif cfg.queries_in_place and (reason := queries_in_place_reason(
+            cfg, T, S, Hq, G, fp8)) is not None:
+        raise ValueError(f"mosaic attention: queries_in_place: {reason}")
     cfg = _fit_stages(cfg, D, q.dtype, k_pages.dtype)
     bk = cfg.block_kv  # the fit may halve it
     page_indices = jnp.clip(md.page_indices, 0, num_pages - 1)
 
-    tokens_per_block = cfg.compute_wgs * (cfg.tile_rows // G)
-    num_entries = _max_entries(T, S, tokens_per_block)
-    work = _work_list(md, num_entries, tokens_per_block)
-    rows = _query_rows(work, T, Hkv, G, cfg)
-    q_tiles = _tile_queries(q, rows, num_entries, cfg, compute_dtype)
+    if cfg.queries_in_place:  # one token an entry, its rows read from q itself
+        num_entries = T
+        work = _work_list(md, num_entries, 1)
+        rows = _query_rows_in_place(md, T, Hkv, G, cfg)
+        q_tiles = q.reshape(T * Hq // cfg.tile_rows, cfg.tile_rows, D)
+    else:
+        tokens_per_block = cfg.compute_wgs * (cfg.tile_rows // G)
+        num_entries = _max_entries(T, S, tokens_per_block)
+        work = _work_list(md, num_entries, tokens_per_block)
+        rows = _query_rows(work, T, Hkv, G, cfg)
+        q_tiles = _tile_queries(q, rows, num_entries, cfg, compute_dtype)
 
     split = cfg.num_splits > 1
     out_dtype = jnp.float32 if split else q.dtype
@@ -825,7 +894,7 @@ def attend_pages_mgpu(
               + [plgpu.Barrier(num_arrivals=wgs, num_barriers=UPCAST_STAGES)] * 2
               if upcaster else [])
     kernel_fn = functools.partial(
-        _attention_kernel, cfg=cfg, group=G, head_dim=D, page_size=page_size,
+        _attention_kernel, cfg=cfg, group=G, num_q_heads=Hq, head_dim=D, page_size=page_size,
         sm_scale=sm_scale * (k_scale if (fp8 and k_scale is not None) else 1.0),
         sliding_window=sliding_window, soft_cap=soft_cap, fp8=fp8,
         v_scale=v_scale if fp8 else None)

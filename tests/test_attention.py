@@ -228,6 +228,59 @@ def test_mosaic_dead_query_rows_stay_in_their_rows(config, platform, monkeypatch
         mosaic.attend_pages_mgpu.clear_cache()
 
 
+# Decode steps (at most one token per sequence slot), whose query rows the Mosaic kernel
+# reads from q itself (`Config.queries_in_place`).
+IN_PLACE_CASES = {
+    # G = 4 in boxes of 8 rows: the second KV head's rows start mid-box, at row 4; a long
+    # context, so the KV splits and their merge run too.
+    "decode_gqa4_split": Case(seqs=((1, 5), (1, 1100), (1, 3), (1, 20), (1, 16)), hq=8,
+                              hkv=2, dtype="bfloat16", pad_tokens=1),
+    # G = 8 (a box per KV head); a sequence of three tokens (an entry each, causal between
+    # them); window, soft cap and sinks.
+    "decode_gqa8_three_tokens": Case(seqs=((3, 20), (1, 7), (1, 33)), hq=16, hkv=2,
+                                     dtype="bfloat16", pad_seqs=3, pad_tokens=1,
+                                     sliding_window=9, soft_cap=2.0, q_scale=4.0, sinks=True),
+}
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name", list(IN_PLACE_CASES))
+def test_mosaic_queries_in_place(name, platform, monkeypatch):
+    """A decode step's query rows read straight from q (a KV head's G rows at row
+    (h G) % 8 of an 8-row box), no query tiles: against the oracle."""
+    calls = []
+    rows_in_place = mosaic._query_rows_in_place
+    monkeypatch.setattr(mosaic, "_query_rows_in_place",
+                        lambda *a: calls.append(a) or rows_in_place(*a))
+    mosaic.attend_pages_mgpu.clear_cache()
+    try:
+        check_against_oracle(IN_PLACE_CASES[name], "mosaic_gpu", platform)
+    finally:
+        mosaic.attend_pages_mgpu.clear_cache()
+    assert calls, "the step took the query tiles"
+
+
+def test_mosaic_queries_in_place_only_where_the_step_allows():
+    """One consumer, at most a token a sequence slot, boxes holding whole KV heads within a
+    token, pages in q's dtype; anything else keeps the tiles (and a config asking for it
+    says why)."""
+    decode = mosaic.choose_config(256, 256, 8, 4096, 128, 4)
+    assert mosaic.queries_in_place_reason(decode, 256, 256, 32, 4, False) is None
+    assert "tokens over" in mosaic.queries_in_place_reason(decode, 257, 256, 32, 4, False)
+    assert "fp8" in mosaic.queries_in_place_reason(decode, 256, 256, 32, 4, True)
+    assert "tile_rows" in mosaic.queries_in_place_reason(decode, 4, 4, 28, 7, False)  # G = 7
+    assert "warpgroups" in mosaic.queries_in_place_reason(
+        mosaic.choose_config(2048, 256, 8, 4096, 128, 4), 256, 256, 32, 4, False)
+    case = CASES["mixed"]  # 25 tokens over 7 sequence slots
+    b = build(dataclasses.replace(case, dtype="bfloat16"))
+    md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
+    with pytest.raises(ValueError, match="queries_in_place: 25 tokens over 7"):
+        mosaic.attend_pages_mgpu(
+            jnp.asarray(b["q"], jnp.bfloat16), jnp.asarray(b["k_pages"], jnp.bfloat16),
+            jnp.asarray(b["v_pages"], jnp.bfloat16), md, sm_scale=0.125,
+            config=mosaic.Config(compute_wgs=1, tile_rows=8, queries_in_place=True))
+
+
 # (block_kv, num_splits) of the Pallas GPU kernel: one split (out written by the kernel)
 # and several (merged by its second kernel), blocks smaller and larger than a page.
 PALLAS_GPU_CONFIGS = {"one_split": (16, 1), "one_split_bk64": (64, 1), "split3": (32, 3),
