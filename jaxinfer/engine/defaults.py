@@ -9,11 +9,13 @@ On GPUs and TPUs: 256 sequences (vLLM's) and 2048 tokens a step, decoding one st
 host round trip. Measured (Llama-3-8B shape, 512 requests of <= 256 + 256 tokens,
 `jaxinfer bench throughput`; bench/NOTES.md, Serving engine decode loop): on an H100, 2048,
 4096 and 8192 tokens a step (vLLM's on large GPUs) gave 14,396, 14,430 and 14,524 output
-tokens/s in one lease, within the spread between leases, and 8192's programs compile in
-~12 s each against a few. On an H200, before the overlapped steps, 8 decode steps a round
-trip gave 11,556 against 10,586, but streams tokens 8 at a time, holds new requests back up
-to 8 steps and adds 9 programs to the warm-up's 14. The Llama-3-8B shape fits one H100 80GB at these
-sizes with room for its KV cache (bench/NOTES.md, Memory planning).
+tokens/s in one lease, and 2048 against 8192 14,806 against 14,953 in another (1.01x),
+within the spread between leases; 8192's programs compile in ~12 s each against a few, and
+its prompt steps (~170 ms) stall every decode ~3x longer. On an H200, before the overlapped
+steps, 8 decode steps a round trip gave 11,556 against 10,586, but streams tokens 8 at a
+time, holds new requests back up to 8 steps and adds 9 programs to the warm-up's 14. The
+Llama-3-8B shape fits one H100 80GB at these sizes with room for its KV cache
+(bench/NOTES.md, Memory planning).
 On the CPU: 64 sequences and 2048 tokens: two cores run no more at once any faster.
 """
 
