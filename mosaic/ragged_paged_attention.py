@@ -102,7 +102,8 @@ class Config:
     # One token an entry, its query rows loaded straight from q viewed as
     # [T * Hq / R, R, D] (R = tile_rows): a KV head's G rows of a token lie in one box, at
     # row (h G) % R, beside other heads' rows, which compute in their own rows unread.
-    # No query scatter then. Set where the step allows it (`with_queries_in_place`).
+    # No query scatter then. On wherever the step allows it (`queries_in_place_reason`),
+    # unless the caller passes a config.
     queries_in_place: bool = False
 
 
@@ -162,13 +163,6 @@ def queries_in_place_reason(cfg: Config, num_tokens: int, num_seqs: int, num_q_h
     if fp8:
         return "fp8 pages (the queries go to f16 through the scatter)"
     return None
-
-
-def with_queries_in_place(cfg: Config, num_tokens: int, num_seqs: int, num_q_heads: int,
-                          group: int, fp8: bool) -> Config:
-    """`cfg` with `queries_in_place` on where the step allows it (`queries_in_place_reason`)."""
-    ok = queries_in_place_reason(cfg, num_tokens, num_seqs, num_q_heads, group, fp8) is None
-    return dataclasses.replace(cfg, queries_in_place=ok)
 
 
 def _fit_stages(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
@@ -819,10 +813,10 @@ def attend_pages_mgpu(
         raise ValueError(f"mosaic attention: block_kv {bk} must be a multiple of 64 and of "
                          f"page_size {page_size}")
 
+    reason = queries_in_place_reason(cfg, T, S, Hq, G, fp8)
     if config is None:
-        cfg = with_queries_in_place(cfg, T, S, Hq, G, fp8)
-    elif cfg.queries_in_place and (reason := queries_in_place_reason(
-            cfg, T, S, Hq, G, fp8)) is not None:
+        cfg = dataclasses.replace(cfg, queries_in_place=reason is None)
+    elif cfg.queries_in_place and reason is not None:
         raise ValueError(f"mosaic attention: queries_in_place: {reason}")
     cfg = _fit_stages(cfg, D, q.dtype, k_pages.dtype)
     bk = cfg.block_kv  # the fit may halve it
