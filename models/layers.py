@@ -399,11 +399,13 @@ class Attention(nnx.Module):
         """x [T, hidden] (and its `row_scale`, see `RMSNorm.projection_input`), rope: RoPE's
         (cos, sin) [T, head_dim] for the step's tokens (`rope_tables`) -> (out, kv_pages)."""
         T = x.shape[0]
-        # q/k norms (qk_norm) and RoPE: applied by the attention call (`QKPrologue`), inside
-        # the kernel at batch-1 decode on Hopper.
+        # The input norm's row scale, q/k norms (qk_norm) and RoPE: applied by the attention
+        # call (`QKPrologue`), inside a kernel on Hopper (the one that writes the pages).
         norms = ({} if self.q_norm is None else dict(
             q_norm=self.q_norm.scale[...], k_norm=self.k_norm.scale[...], eps=self.q_norm.eps))
-        prologue = QKPrologue(*rope, **norms)
+        # A bias is added after the row scale (`linear`), so a biased projection keeps it.
+        late_scale = None if self.config.qkv_bias else row_scale
+        prologue = QKPrologue(*rope, **norms, row_scale=late_scale)
         attend = functools.partial(ragged_paged_attention, sm_scale=self.head_dim ** -0.5,
                                    sliding_window=self.sliding_window)
         heads = P("batch", "heads", "head_dim")
@@ -411,7 +413,7 @@ class Attention(nnx.Module):
         sinks = None if self.sinks is None else self.sinks[...]
         # q | k | v go to attention as one array (each device's columns hold its q, k and v
         # heads, `join_linears`): the one-token kernel reads them from it in place.
-        qkv = self.qkv_proj.joined(x, row_scale)
+        qkv = self.qkv_proj.joined(x, row_scale if late_scale is None else None)
 
         def local(kp, vp, md, sinks, prologue, qkv):
             """The kernel per device, on its heads (and the KV heads they read)."""

@@ -35,6 +35,7 @@ from jaxinfer.ops.attention import (
 )
 from jaxinfer.ops.attention_registry import REGISTRY, ragged_paged_attention
 from jaxinfer.ops.rope import QKPrologue, rope_tables
+from jaxinfer.pallas_kernels import kv_write_gpu
 from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu_kernel
 
 
@@ -469,6 +470,57 @@ def test_pallas_gpu_fuses_only_where_its_kernel_can():
                                                      sm_scale=0.125)
 
 
+def test_mosaic_fuses_the_write_only_where_its_kernel_can():
+    """The Mosaic entry takes the fused projection and the whole prologue (its k / v write
+    kernel applies them) where the pages are in q's dtype; with fp8 pages, or q, k, v
+    given apart, XLA splits, scales, rotates and quantizes; the write kernel refuses fp8
+    pages itself."""
+    entry = REGISTRY["mosaic_gpu"]
+    want = {"split_qkv", "row_scale", "qk_norm", "rope"}
+    assert set(entry.fused(describe(256, fused=True))) == want
+    assert set(entry.fused(describe(1, fused=True))) == want
+    assert entry.fused(describe(256, kv_dtype=FP8_KV_DTYPE, fused=True)) == ()
+    assert entry.fused(describe(256)) == ()
+    assert REGISTRY["mosaic_gpu_fixed"].fused(describe(256, fused=True)) == ()
+    qkv = jnp.ones((2, (8 + 4) * 64), jnp.bfloat16)
+    pages = jnp.ones((40, 16, 2, 64), FP8_KV_DTYPE)
+    md = AttentionMetadata(*(jnp.zeros(n, jnp.int32) for n in (5, 4, (4, 8), 1)))
+    with pytest.raises(ValueError, match="kv write kernel: .*pages in q's dtype"):
+        kv_write_gpu.write_kv_and_queries_gpu(qkv, pages, pages, md)
+
+
+@pytest.mark.parametrize("name", ["decode", "mixed", "gqa3_d64", "page_size_8",
+                                  "mqa_d128_sinks", "poison_nan"])
+def test_kv_write_kernel_matches_oracle(name):
+    """The k / v write kernel alone (interpreted): from the fused projection, q and k
+    scaled, normed and rotated as the float64 oracle does to within rounding, q in token
+    order, v the scaled rows exactly, written at each live token's (page, slot), padding
+    tokens writing nothing and every other row of the pages (NaN in the poison case) as
+    it was."""
+    case = dataclasses.replace(CASES[name], dtype="bfloat16")
+    b = build(case)
+    rng = np.random.default_rng()
+    prologue, seen = _prologue_oracle(case, b, True, rng, row_scale=True)
+    T = b["q"].shape[0]
+    qkv = jnp.concatenate([jnp.asarray(b[n], jnp.bfloat16).reshape(T, -1)
+                           for n in ("q", "k", "v")], 1)
+    md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()},
+                           zero_tails=False)
+    q, kp, vp = kv_write_gpu.write_kv_and_queries_gpu(
+        qkv, jnp.asarray(b["k_pages"], jnp.bfloat16), jnp.asarray(b["v_pages"], jnp.bfloat16),
+        md, prologue=prologue)
+    q, kp, vp = (np.asarray(x.astype(jnp.float32)) for x in (q, kp, vp))
+    live = b["live_tokens"]
+    tol = 2.0 ** -8 * 4
+    np.testing.assert_allclose(q[:live], seen["q"][:live], rtol=tol,
+                               atol=tol * np.abs(seen["q"]).max())
+    k_exp, v_exp, written = expected_pages(case, seen, zero_tails=False)
+    np.testing.assert_array_equal(kp[~written], k_exp[~written].astype(np.float32))
+    np.testing.assert_array_equal(vp, v_exp.astype(np.float32))
+    np.testing.assert_allclose(kp[written], k_exp[written].astype(np.float32), rtol=tol,
+                               atol=tol * np.abs(seen["k"]).max())
+
+
 def test_call_description():
     """A fused projection is described by its query heads; the options by their presence."""
     call = describe(3, hq=6, hkv=2, d=128, fused=True)
@@ -645,23 +697,25 @@ def test_one_token_write_into_pages_with_a_scratch_page(live, kv_dtype):
 
 @pytest.mark.parametrize("path,kv_dtype", [
     ("scatter", jnp.bfloat16), ("scatter", jnp.float8_e4m3fn), ("one_token", jnp.bfloat16),
-    ("one_token", jnp.float8_e4m3fn), ("pallas_gpu_fused", jnp.bfloat16)])
+    ("one_token", jnp.float8_e4m3fn), ("pallas_gpu_fused", jnp.bfloat16),
+    ("kv_write_kernel", jnp.bfloat16)])
 def test_pages_store_finite_values_only(path, kv_dtype):
     """Every write path stores a non-finite k/v element (NaN, +-inf) as 0 and the rest as
-    the page dtype holds them: XLA's scatter, its one-token update, and the Pallas GPU
-    kernel's own store of a fused projection (interpreted here). So the runner's pages,
+    the page dtype holds them: XLA's scatter, its one-token update, the Pallas GPU
+    kernel's own store of a fused projection and the Mosaic path's k / v write kernel
+    (both interpreted here). So the runner's pages,
     zero at allocation, hold finite values only and its steps skip the tail zeroing
     (md.zero_tails False). No other slot changes."""
     rng = np.random.default_rng()
     num_pages, ps, hq, hkv, d = 9, 8, 4, 2, 64
-    T = 3 if path == "scatter" else 1
+    T = 3 if path in ("scatter", "kv_write_kernel") else 1
     fp8 = kv_dtype == FP8_KV_DTYPE
     scale = 0.5 if fp8 else None
     pages = np.array([[6, 2, 4], [1, 3, 5]], np.int32)
     kv_len = int(rng.integers(T, 3 * ps + 1))  # after this step
     md = AttentionMetadata(cu_q_lens=jnp.array([0, T, T]), kv_lens=jnp.array([kv_len, 0]),
                            page_indices=jnp.asarray(pages), num_seqs=jnp.array([1]),
-                           zero_tails=False, scratch_page=path != "scatter")
+                           zero_tails=False, scratch_page=T == 1)
     k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)),
                                     jnp.float32).astype(kv_dtype) for _ in range(2))
     new = []
@@ -671,12 +725,15 @@ def test_pages_store_finite_values_only(path, kv_dtype):
         flat[rng.choice(flat.size, 3, replace=False)] = [np.nan, np.inf, -np.inf]
         new.append(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)))
     k, v = (jnp.asarray(x, jnp.bfloat16) for x in new)
-    if path == "pallas_gpu_fused":
+    if path in ("pallas_gpu_fused", "kv_write_kernel"):
         q = jnp.asarray(rng.standard_normal((T, hq, d)), jnp.bfloat16)
         qkv = jnp.concatenate([x.reshape(T, -1) for x in (q, k, v)], axis=1)
-        _, got_k, got_v = jax.jit(functools.partial(
-            pallas_gpu_kernel.ragged_paged_attention_gpu, sm_scale=d ** -0.5))(
-            qkv, None, None, k_pages, v_pages, md)
+        if path == "kv_write_kernel":
+            _, got_k, got_v = kv_write_gpu.write_kv_and_queries_gpu(qkv, k_pages, v_pages, md)
+        else:
+            _, got_k, got_v = jax.jit(functools.partial(
+                pallas_gpu_kernel.ragged_paged_attention_gpu, sm_scale=d ** -0.5))(
+                qkv, None, None, k_pages, v_pages, md)
     else:
         got_k, got_v = jax.jit(functools.partial(write_kv_pages, k_scale=scale,
                                                  v_scale=scale))(k, v, k_pages, v_pages, md)
@@ -708,9 +765,11 @@ PROLOGUE_CASES = {
 }
 
 
-def _prologue_oracle(case: Case, b, norm: bool, rng):
+def _prologue_oracle(case: Case, b, norm: bool, rng, row_scale: bool = False):
     """A random prologue for the case's tokens, and b with q / k replaced by the float64
-    result (rounded to the case's dtype): what attention then sees."""
+    result (rounded to the case's dtype): what attention then sees. row_scale: the
+    prologue scales each token's q, k and v by a random factor first (v: in float32,
+    rounded once, as `linear` does)."""
     T, d = b["q"].shape[0], case.d
     pos = np.zeros(T, np.int32)
     t0 = 0
@@ -723,8 +782,17 @@ def _prologue_oracle(case: Case, b, norm: bool, rng):
     scales = [np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, d), dt).astype(jnp.float32))
               for _ in range(2)] if norm else [None, None]
 
+    # (near 1: larger q and k sharpen the softmax past the bf16 tolerances below)
+    rows = rng.uniform(0.8, 1.25, (T, 1)).astype(np.float32) if row_scale else None
+
+    def scaled(x):  # [T, H, D] times the row scale, in float32 rounded to the dtype
+        if rows is None:
+            return x
+        return np.array(jnp.asarray(x.astype(np.float32) * rows[:, :, None])
+                        .astype(case.dtype).astype(jnp.float32))
+
     def want(x, scale):
-        x = x.astype(np.float64)
+        x = scaled(x).astype(np.float64)
         if scale is not None:
             x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
         angle = pos[:, None, None] * np.concatenate([inv_freq, inv_freq])
@@ -734,8 +802,9 @@ def _prologue_oracle(case: Case, b, norm: bool, rng):
 
     cos, sin = rope_tables(jnp.asarray(pos), jnp.asarray(inv_freq, jnp.float32), factor, dt)
     prologue = QKPrologue(cos, sin, *(None if s is None else jnp.asarray(s, dt) for s in scales),
-                          eps=eps)
-    return prologue, dict(b, q=want(b["q"], scales[0]), k=want(b["k"], scales[1]))
+                          eps=eps, row_scale=None if rows is None else jnp.asarray(rows))
+    return prologue, dict(b, q=want(b["q"], scales[0]), k=want(b["k"], scales[1]),
+                          v=scaled(b["v"]))
 
 
 PROLOGUE_BACKENDS = [("reference", "cpu"), ("pallas_gpu", "cpu"),
@@ -750,16 +819,32 @@ PROLOGUE_BACKENDS = [("reference", "cpu"), ("pallas_gpu", "cpu"),
 def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
                                     monkeypatch):
     """Attention on raw q / k with a prologue (and q, k, v separate, or as one fused
-    projection) against the float64 oracle on q / k normed and rotated in float64; the
-    pages hold the normed, rotated k (to within rounding: the kernel and XLA round their
-    steps to the dtype where the oracle rounds once). At one token on pages in q's dtype
-    the Pallas GPU kernel must apply the prologue itself (XLA's `apply` is not called), and
-    read the fused projection whole (`split_qkv` is not called)."""
-    case = PROLOGUE_CASES[name]
+    projection, with a row scale as the model gives it) against the float64 oracle on q /
+    k scaled, normed and rotated in float64; the pages hold the normed, rotated k (to within
+    rounding: the kernels and XLA round their steps to the dtype where the oracle rounds
+    once). On pages in q's dtype the Pallas GPU kernel at one token, and the Mosaic
+    kernel's k / v write kernel given the fused projection, must apply the prologue
+    themselves (XLA's `apply` is not called) and read the fused projection whole
+    (`split_qkv` is not called)."""
+    check_prologue(PROLOGUE_CASES[name], norm, fused, implementation, platform, monkeypatch)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm_rope", "rope"])
+def test_mosaic_write_kernel_prologue_matches_oracle(norm, monkeypatch):
+    """The Mosaic entry on the fused projection, interpreted: the k / v write kernel (its
+    prologue, q in token order for the attention kernel, the pages) and the attention
+    kernel after it, against the float64 oracle, as `test_qk_prologue_matches_oracle`."""
+    check_prologue(PROLOGUE_CASES["mixed"], norm, True, "mosaic_gpu", "cpu", monkeypatch)
+
+
+def check_prologue(case: Case, norm: bool, fused: bool, implementation: str, platform: str,
+                   monkeypatch):
+    """`test_qk_prologue_matches_oracle`'s check: fused inputs carry a row scale."""
     if implementation != "reference":
         case = dataclasses.replace(case, dtype="bfloat16")
     b = build(case)
-    prologue, seen = _prologue_oracle(case, b, norm, np.random.default_rng(case.seed))
+    prologue, seen = _prologue_oracle(case, b, norm, np.random.default_rng(case.seed),
+                                      row_scale=fused)
     applied, real_apply = [], QKPrologue.apply
     monkeypatch.setattr(QKPrologue, "apply",
                         lambda self, q, k: applied.append(1) or real_apply(self, q, k))
@@ -768,8 +853,9 @@ def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
                         lambda *a: splits.append(1) or real_split(*a))
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
         out, kp, vp = run(case, b, implementation, prologue, fused)
-    in_kernel = (implementation == "pallas_gpu" and b["q"].shape[0] == 1
-                 and case.kv_dtype is None)
+    in_kernel = case.kv_dtype is None and (
+        (implementation == "pallas_gpu" and b["q"].shape[0] == 1)
+        or (implementation == "mosaic_gpu" and fused))
     assert bool(applied) != in_kernel
     assert bool(splits) == (fused and not in_kernel)
     tol = 1e-5 if case.dtype == "float32" else 2e-2
@@ -778,7 +864,7 @@ def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
     np.testing.assert_allclose(live, oracle(case, seen), rtol=tol, atol=tol)
     k_exp, v_exp, written = expected_pages(case, seen)
     np.testing.assert_array_equal(kp[~written], k_exp[~written].astype(np.float32))
-    np.testing.assert_array_equal(vp, v_exp.astype(np.float32))  # v has no prologue
+    np.testing.assert_array_equal(vp, v_exp.astype(np.float32))  # v: the row scale only
     # Written k rows to within rounding: the prologue's own steps (bf16: a few steps of the
     # largest term; float32: RoPE's angles pos * inv_freq, ~1e-6 at 40 radians), then the
     # pages' dtype (e4m3: two steps of 4 bits of mantissa). In k's units.

@@ -8,7 +8,10 @@ implementation that supports it, runs the neighbouring work the implementation d
   pallas_gpu   the Pallas kernel's GPU (Triton) lowering: Hopper, steps of up to
                PALLAS_GPU_MAX_TOKENS tokens (batch-1 decode); reads the fused projection in
                place and applies the prologue itself
-  mosaic_gpu   the Mosaic GPU kernel: Hopper, any step
+  mosaic_gpu   the Mosaic GPU kernel: Hopper, any step; given the fused projection and pages
+               in q's dtype, a Pallas GPU (Triton) kernel first writes the step's k / v into
+               the pages and q ready for attention, the prologue applied
+               (`pallas_kernels/kv_write_gpu.py`), where XLA took three kernels
   pallas_tpu   the Pallas TPU kernel: TPU
   by_sequence  XLA loops, one live sequence at a time (work: the batch's live tokens x their
                context): everything else (the CPU, other GPUs, float32 models)
@@ -27,6 +30,7 @@ forces one (tests, benchmarks); kernels then run in interpret mode off their har
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -47,6 +51,8 @@ pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.ragged_paged_attention
 # jax's Pallas Triton lowering is deprecated in jax 0.11: a jax without it skips the entry.
 pallas_gpu_kernel = KernelModule("jaxinfer.pallas_kernels.ragged_paged_attention_gpu", "hopper",
                                  requires="jax.experimental.pallas.triton")
+kv_write_gpu_kernel = KernelModule("jaxinfer.pallas_kernels.kv_write_gpu", "hopper",
+                                   requires="jax.experimental.pallas.triton")
 
 # Steps of up to this many tokens use the Pallas GPU kernel on Hopper (bench/NOTES.md,
 # Ragged paged attention: Pallas GPU kernel for one-token steps; measured at batch-1
@@ -56,8 +62,9 @@ pallas_gpu_kernel = KernelModule("jaxinfer.pallas_kernels.ragged_paged_attention
 PALLAS_GPU_MAX_TOKENS = 1
 
 # The neighbouring work an implementation may fuse: reading q, k and v out of the fused
-# projection (`split_qkv`), and the two steps of the q / k prologue (`QKPrologue`).
-SPLIT_QKV, QK_NORM, ROPE = "split_qkv", "qk_norm", "rope"
+# projection (`split_qkv`), and the steps of the prologue (`QKPrologue`): the row scale
+# of q, k and v, then q's and k's norm and RoPE.
+SPLIT_QKV, ROW_SCALE, QK_NORM, ROPE = "split_qkv", "row_scale", "qk_norm", "rope"
 
 
 def _pallas_gpu_supports(call: AttentionCall) -> str | None:
@@ -84,6 +91,15 @@ def _mosaic_gpu_supports(call: AttentionCall) -> str | None:
     return needs("hopper") or mosaic_gpu_kernel.unsupported_reason(call.query, call.pages)
 
 
+def _mosaic_gpu_fuses(call: AttentionCall) -> tuple[str, ...]:
+    """Given the fused projection, the k / v write kernel splits it, applies the whole
+    prologue and writes the pages (pages in q's dtype: `kv_write_gpu.supports`)."""
+    kernel = kv_write_gpu_kernel.module()
+    if call.fused_qkv and kernel is not None and kernel.supports(call.query, call.pages):
+        return (SPLIT_QKV, ROW_SCALE, QK_NORM, ROPE)
+    return ()
+
+
 def _pallas_gpu(*args, **kwargs):
     """`ragged_paged_attention_gpu`, or (a jax without the Triton lowering, where the entry
     supports no call) a one-line error when it is forced."""
@@ -92,8 +108,17 @@ def _pallas_gpu(*args, **kwargs):
     return kernel.ragged_paged_attention_gpu(*args, **kwargs)
 
 
-def _mosaic_gpu(*args, **kwargs):
-    return mosaic_gpu_kernel.ragged_paged_attention_mgpu(*args, **kwargs)
+def _mosaic_gpu(q, k, v, k_pages, v_pages, md, *, k_scale=None, v_scale=None,
+                prologue: QKPrologue | None = None, **kwargs):
+    """The Mosaic kernel; with the fused projection (k = v = None: `_mosaic_gpu_fuses`),
+    the k / v write kernel first, which also makes q (split out, prologue applied)."""
+    if k is None:
+        q, k_pages, v_pages = kv_write_gpu_kernel.module().write_kv_and_queries_gpu(
+            q, k_pages, v_pages, md, prologue=prologue)
+        out = mosaic_gpu_kernel.attend_pages_mgpu(q, k_pages, v_pages, md, **kwargs)
+        return out, k_pages, v_pages
+    return mosaic_gpu_kernel.ragged_paged_attention_mgpu(
+        q, k, v, k_pages, v_pages, md, k_scale=k_scale, v_scale=v_scale, **kwargs)
 
 
 def _pallas_tpu(*args, **kwargs):
@@ -103,7 +128,7 @@ def _pallas_tpu(*args, **kwargs):
 REGISTRY = Registry("ragged_paged_attention", [
     Implementation("pallas_gpu", _pallas_gpu, _pallas_gpu_supports,
                    fuses=_pallas_gpu_fuses),
-    Implementation("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_supports),
+    Implementation("mosaic_gpu", _mosaic_gpu, _mosaic_gpu_supports, fuses=_mosaic_gpu_fuses),
     Implementation("pallas_tpu", _pallas_tpu, lambda call: needs("tpu")),
     Implementation("by_sequence", ragged_paged_attention_by_sequence, lambda call: None),
     Implementation("reference", ragged_paged_attention_reference, lambda call: None),
@@ -134,6 +159,12 @@ def ragged_paged_attention(
                                   soft_cap=soft_cap, sinks=sinks, prologue=prologue)
     impl = REGISTRY.pick(call, implementation)
     fused = impl.fused(call)
+    if prologue is not None and ROW_SCALE not in fused and prologue.row_scale is not None:
+        if k is None:
+            q, = prologue.scale_rows(q)  # the fused projection
+        else:
+            q, k, v = prologue.scale_rows(q, k, v)
+        prologue = dataclasses.replace(prologue, row_scale=None)
     if k is None and SPLIT_QKV not in fused:
         q, k, v = split_qkv(q, call.num_kv_heads, call.head_dim)
     options = {}

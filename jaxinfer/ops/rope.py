@@ -109,19 +109,24 @@ def scale_normed(x32, inv, scale, dtype):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QKPrologue:
-    """What turns the q / k projections into attention's q / k: an RMSNorm over each head
-    (qk_norm models: Qwen3; q_norm / k_norm None: none), then RoPE at each token's position.
+    """What turns the q / k / v projections into attention's q / k / v: the input norm's row
+    scale (a `FoldedRMSNorm`'s 1 / rms, when the projection left it out), then, for q and k,
+    an RMSNorm over each head (qk_norm models: Qwen3; q_norm / k_norm None: none) and RoPE
+    at each token's position.
 
       cos, sin   [T, D]         RoPE's tables for the step's tokens (`rope_tables`), q's dtype
       q_norm     [D]            the q norm's scale (in q's dtype), or None
       k_norm     [D]            the k norm's scale, or None
       eps                       static float: the norms' eps
+      row_scale  [T, 1] float32 or None: each token's projections are multiplied by it
+                 first, rounded to their dtype (`scale_rows`, as `linear`'s row_scale)
 
-    `ragged_paged_attention` applies it with XLA before an implementation (`apply`), except
-    where the implementation fuses it (its registry entry's `fuses`): the Pallas GPU kernel at
-    one token (batch-1 decode), where XLA's three small kernels a layer for it (the sums of
-    squares, q's and k's norm + RoPE) took ~4 us (bench/NOTES.md, Ragged paged attention:
-    q/k prologue in the kernel).
+    `ragged_paged_attention` applies it with XLA before an implementation (`scale_rows`,
+    `apply`), except where the implementation fuses it (its registry entry's `fuses`): the
+    Pallas GPU kernel at one token (batch-1 decode), where XLA's three small kernels a layer
+    for it (the sums of squares, q's and k's norm + RoPE) took ~4 us (bench/NOTES.md, Ragged
+    paged attention: q/k prologue in the kernel), and on Hopper's larger steps the Pallas GPU
+    kernel that writes the pages and q in one pass (`pallas_kernels/kv_write_gpu.py`).
     """
 
     cos: jax.Array
@@ -129,6 +134,15 @@ class QKPrologue:
     q_norm: jax.Array | None = None
     k_norm: jax.Array | None = None
     eps: float = dataclasses.field(default=1e-6, metadata=dict(static=True))
+    row_scale: jax.Array | None = None
+
+    def scale_rows(self, *xs):
+        """Each x [T, ...] (the fused projection, or q, k, v) times the row scale as
+        `linear`'s epilogue does it: in float32, rounded to x's dtype. Identity without one."""
+        if self.row_scale is None:
+            return xs
+        return tuple((x.astype(jnp.float32) * self.row_scale.reshape(
+            (-1,) + (1,) * (x.ndim - 1))).astype(x.dtype) for x in xs)
 
     def apply(self, q, k):
         """q [T, Hq, D], k [T, Hkv, D] -> (q, k) normed and rotated, in their dtypes."""
