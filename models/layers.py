@@ -150,12 +150,12 @@ class Linear(nnx.Module):
         return w, QuantizedWeight(self.axes, parts, None if w.offsets is None else parts,
                                   w.activations)
 
-    def __call__(self, x, row_scale=None):
-        """x [..., in] -> [..., out]; `row_scale` [..., 1] f32: see `linear`."""
+    def __call__(self, x, row_scale=None, *, rounded: bool = False):
+        """x [..., in] -> [..., out]; `row_scale` [..., 1] f32, `rounded`: see `linear`."""
         bias = None if self.bias is None else self.bias[...]
         w, w_axes = self.weight_and_axes()
         if current_mesh() is None:
-            return linear(x, w, bias, row_scale)
+            return linear(x, w, bias, row_scale, rounded=rounded)
         # On a mesh each device multiplies by its shard (the same dot, or kernel, as on one
         # device); a split `in` axis leaves partial sums, which one psum joins: the one
         # all-reduce of a column-split -> row-split block.
@@ -174,7 +174,7 @@ class Linear(nnx.Module):
             b = None if bias is None else next(extras)
             scale = None if row_scale is None else next(extras)
             if x.shape[-1] == in_features:
-                return linear(x, w, b, scale)
+                return linear(x, w, b, scale, rounded=rounded)
             y = reduce_over((in_axis,), linear(x, w))
             if b is None and scale is None:
                 return y
@@ -285,14 +285,15 @@ class ProjectionGroup(nnx.Module):
             return split_columns(self.linears[0](x, row_scale), self.sizes, self.out_axes[0])
         return tuple(lay(x, row_scale) for lay in self.linears)
 
-    def joined(self, x, row_scale=None) -> jax.Array:
+    def joined(self, x, row_scale=None, *, rounded: bool = False) -> jax.Array:
         """x [..., in] -> [..., sum(sizes)]: the parts' outputs side by side per shard, as
-        one joined Linear gives them (separate parts are concatenated on each device)."""
+        one joined Linear gives them (separate parts are concatenated on each device);
+        `rounded`: see `linear`."""
         if len(self.linears) == 1:
-            return self.linears[0](x, row_scale)
+            return self.linears[0](x, row_scale, rounded=rounded)
         specs = tuple(P(*(None,) * (x.ndim - 1), axis) for axis in self.out_axes)
         return shard_map_logical(lambda *ys: jnp.concatenate(ys, axis=-1), specs, specs[0],
-                                 *(lay(x, row_scale) for lay in self.linears))
+                                 *(lay(x, row_scale, rounded=rounded) for lay in self.linears))
 
 
 class RMSNorm(nnx.Module):
@@ -412,8 +413,9 @@ class Attention(nnx.Module):
         pages = KV_PAGES_AXES
         sinks = None if self.sinks is None else self.sinks[...]
         # q | k | v go to attention as one array (each device's columns hold its q, k and v
-        # heads, `join_linears`): the one-token kernel reads them from it in place.
-        qkv = self.qkv_proj.joined(x, row_scale if late_scale is None else None)
+        # heads, `join_linears`): kernels read them from it in place, so the product comes
+        # rounded by its GEMM (`rounded`: a float32 product took a cast kernel of its own).
+        qkv = self.qkv_proj.joined(x, row_scale if late_scale is None else None, rounded=True)
 
         def local(kp, vp, md, sinks, prologue, qkv):
             """The kernel per device, on its heads (and the KV heads they read)."""

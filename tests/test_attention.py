@@ -891,7 +891,8 @@ def test_a_runner_imports_its_platforms_kernels_before_loading_programs():
         assert set(names) == {"jaxinfer.mosaic.ragged_paged_attention",
                               "jaxinfer.mosaic.quantized_matmul",
                               "jaxinfer.mosaic.grouped_matmul",
-                              "jaxinfer.pallas_kernels.ragged_paged_attention_gpu"}, names
+                              "jaxinfer.pallas_kernels.ragged_paged_attention_gpu",
+                              "jaxinfer.pallas_kernels.kv_write_gpu"}, names
         assert all(n in sys.modules for n in names)
         assert "jax.experimental.mosaic.gpu" in sys.modules
     """)

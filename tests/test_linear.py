@@ -129,3 +129,22 @@ def test_reasons_name_the_rule(monkeypatch):
     assert "fp8" in REGISTRY.reasons(described(1, 256, 512, "fp8"))["mosaic_gpu"]
     with pytest.raises(ValueError, match="expected one of"):
         REGISTRY.pick(described(1, 256, 512, None), "no_such_implementation")
+
+
+@pytest.mark.parametrize("implementation", ["reference", "fixed_rows"])
+def test_rounded_product_comes_from_the_dot(implementation):
+    """`rounded=True` (a product a kernel reads) asks the dot itself for x.dtype, where the
+    default leaves a float32 product for XLA to fuse its cast into what reads it: the same
+    values (one rounding of the float32 sum either way)."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 256)) * 0.05, jnp.bfloat16)
+    for rounded, want, other in ((True, "bfloat16", "float32"), (False, "float32", "bfloat16")):
+        jaxpr = str(jax.make_jaxpr(lambda x, w, r=rounded: linear(
+            x, w, rounded=r, implementation=implementation))(x, w))
+        assert f"preferred_element_type={want}" in jaxpr
+        assert f"preferred_element_type={other}" not in jaxpr
+    got = jax.jit(lambda x, w: linear(x, w, rounded=True, implementation=implementation))(x, w)
+    base = jax.jit(lambda x, w: linear(x, w, implementation=implementation))(x, w)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(base, np.float32))

@@ -1,6 +1,6 @@
 """The linear layer: the contract every caller and every implementation shares.
 
-    linear(x, weight, bias=None, row_scale=None) -> y
+    linear(x, weight, bias=None, row_scale=None, *, rounded=False) -> y
 
   x          [..., K]  bfloat16 / float16 / float32 activations
   weight     [N, K]    float (cast to x.dtype), or a `QuantizedWeight` of W [N, K]
@@ -8,6 +8,8 @@
   bias       [N]       float (added in float32), or None
   row_scale  [..., 1]  float32, or None: scales each row of the product before the bias
                        (an RMSNorm folded into the weight leaves its 1 / rms(x) here)
+  rounded    the float product rounded to x.dtype by the GEMM itself, with no row scale
+             either: for a product that a kernel reads (see Rounding)
   -> y = x @ W^T (* row_scale) (+ bias)  [..., N] in x.dtype, accumulated in float32
 
 Weights are stored (N, K) = (out_features, in_features), K-major: the layout of HF
@@ -24,7 +26,12 @@ Rounding: a float product is rounded to x.dtype before the row scale (as a quant
 product always is), because XLA does not fuse the scale into the GEMM: a float32 product
 would be written and read back in full (at 64 tokens the gate/up product alone is 7.3 MB
 per layer; bench/NOTES.md, Serving engine decode loop: Folded projection's product in
-bf16). The one-row product is a reduction whose float32 result is scaled unrounded.
+bf16). Without a row scale the float32 product is left for XLA to fuse its cast into
+whatever reads it (the residual add that follows o and down), unless `rounded`: a kernel
+cannot take the cast, which then ran as a kernel of its own (the fused q/k/v projection,
+read by the attention's k / v write kernel: bench/NOTES.md, Ragged paged attention: One
+pass for the k / v write and q). The values are the same either way. The one-row product
+is a reduction whose float32 result is scaled unrounded (XLA fuses its cast).
 """
 
 from __future__ import annotations
@@ -136,11 +143,12 @@ def quantized_product(matmul, x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
 
 def linear_reference(x: jax.Array, weight: Weight, bias: jax.Array | None = None,
-                     row_scale: jax.Array | None = None) -> jax.Array:
+                     row_scale: jax.Array | None = None, *, rounded: bool = False
+                     ) -> jax.Array:
     """The spec (see the module docstring): one XLA dot for a float weight, dequantise +
     dot (`quantized_matmul_reference`) for a quantized one, then the epilogue."""
     if isinstance(weight, QuantizedWeight):
         y = quantized_product(quantized_matmul_reference, x, weight)
     else:
-        y = float_product(x, weight, rounded=row_scale is not None)
+        y = float_product(x, weight, rounded=rounded or row_scale is not None)
     return linear_epilogue(y, x.dtype, bias, row_scale)

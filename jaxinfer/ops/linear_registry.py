@@ -92,7 +92,8 @@ def _one_row_reduce_supports(call: LinearCall) -> str | None:
 
 def _kernel(name: str, kernel: KernelModule, matmul: str):
     """A quantized kernel `kernel.matmul`(x [M, K], w) -> [M, N] as a linear implementation."""
-    def run(x, weight: Weight, bias=None, row_scale=None):
+    def run(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
+        del rounded  # a quantized product is in x.dtype already
         if not isinstance(weight, QuantizedWeight):
             raise ValueError(f"linear {name}: takes a QuantizedWeight, got a float weight")
         return linear_epilogue(quantized_product(getattr(kernel, matmul), x, weight), x.dtype,
@@ -100,14 +101,15 @@ def _kernel(name: str, kernel: KernelModule, matmul: str):
     return run
 
 
-def fixed_rows(x, weight: Weight, bias=None, row_scale=None):
+def fixed_rows(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
     """`linear_reference` on `invariant_rows()` rows at a time (`by_row_blocks`)."""
     if row_scale is None:
-        return by_row_blocks(lambda b: linear_reference(b, weight, bias), x)
+        return by_row_blocks(lambda b: linear_reference(b, weight, bias, rounded=rounded), x)
     return by_row_blocks(lambda b, s: linear_reference(b, weight, bias, s), x, row_scale)
 
 
-def _one_row_reduce(x, weight: Weight, bias=None, row_scale=None):
+def _one_row_reduce(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
+    del rounded  # a reduction: XLA fuses the cast into it
     if isinstance(weight, QuantizedWeight):
         raise ValueError("linear one_row_reduce: takes float weights, got a QuantizedWeight")
     return linear_epilogue(one_row_product(x, weight), x.dtype, bias, row_scale)
@@ -127,10 +129,11 @@ REGISTRY = Registry("linear", [
 
 
 def linear(x: jax.Array, weight: Weight, bias: jax.Array | None = None,
-           row_scale: jax.Array | None = None, *, implementation: str | None = None) -> jax.Array:
+           row_scale: jax.Array | None = None, *, rounded: bool = False,
+           implementation: str | None = None) -> jax.Array:
     """x [..., K] @ weight [N, K]^T (* row_scale [..., 1]) (+ bias [N]) -> [..., N] in x.dtype
-    (`jaxinfer.ops.linear` has the contract). `implementation` forces one of
-    REGISTRY.names; None picks the first that supports the call."""
+    (`jaxinfer.ops.linear` has the contract, and what `rounded` asks). `implementation`
+    forces one of REGISTRY.names; None picks the first that supports the call."""
     check_features(x, weight)
     impl = REGISTRY.pick(LinearCall.describe(x, weight), implementation)
-    return impl.fn(x, weight, bias, row_scale)
+    return impl.fn(x, weight, bias, row_scale, rounded=rounded)
