@@ -703,9 +703,9 @@ def test_pages_store_finite_values_only(path, kv_dtype):
     """Every write path stores a non-finite k/v element (NaN, +-inf) as 0 and the rest as
     the page dtype holds them: XLA's scatter, its one-token update, the Pallas GPU
     kernel's own store of a fused projection and the Mosaic path's k / v write kernel
-    (both interpreted here). So the runner's pages,
-    zero at allocation, hold finite values only and its steps skip the tail zeroing
-    (md.zero_tails False). No other slot changes."""
+    (both interpreted here). So the runner's pages, zero at allocation, hold finite values
+    only and its steps skip the tail zeroing (md.zero_tails False). No other slot
+    changes."""
     rng = np.random.default_rng()
     num_pages, ps, hq, hkv, d = 9, 8, 4, 2, 64
     T = 3 if path in ("scatter", "kv_write_kernel") else 1
