@@ -404,8 +404,9 @@ class Attention(nnx.Module):
         # call (`QKPrologue`), inside a kernel on Hopper (the one that writes the pages).
         norms = ({} if self.q_norm is None else dict(
             q_norm=self.q_norm.scale[...], k_norm=self.k_norm.scale[...], eps=self.q_norm.eps))
-        # A bias is added after the row scale (`linear`), so a biased projection keeps it.
-        late_scale = None if self.config.qkv_bias else row_scale
+        # The input norm's row scale: applied by attention's prologue, except where a bias
+        # follows it (`linear` adds the bias after the scale), by the projection.
+        proj_scale, late_scale = (row_scale, None) if self.config.qkv_bias else (None, row_scale)
         prologue = QKPrologue(*rope, **norms, row_scale=late_scale)
         attend = functools.partial(ragged_paged_attention, sm_scale=self.head_dim ** -0.5,
                                    sliding_window=self.sliding_window)
@@ -415,7 +416,7 @@ class Attention(nnx.Module):
         # q | k | v go to attention as one array (each device's columns hold its q, k and v
         # heads, `join_linears`): kernels read them from it in place, so the product comes
         # rounded by its GEMM (`rounded`: a float32 product took a cast kernel of its own).
-        qkv = self.qkv_proj.joined(x, row_scale if late_scale is None else None, rounded=True)
+        qkv = self.qkv_proj.joined(x, proj_scale, rounded=True)
 
         def local(kp, vp, md, sinks, prologue, qkv):
             """The kernel per device, on its heads (and the KV heads they read)."""

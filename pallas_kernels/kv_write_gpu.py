@@ -9,7 +9,7 @@ kernel, GPU (Triton) lowering, one program per token.
   k_pages    [num_pages, page_size, Hkv, D] in qkv's dtype (v_pages alike), aliased to the
              outputs: updated in place under donation
   md         `AttentionMetadata`: token t goes to its sequence's page and slot
-             (`token_positions`); padding tokens write nothing
+             (`token_slots`); padding tokens write nothing
   prologue   a `QKPrologue` or None: q, k and v times its row scale, then q's and k's norm
              and RoPE (`QKPrologue.scale_rows`, `QKPrologue.apply`), rounded where XLA's
              ops round
@@ -36,11 +36,11 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxinfer.ops.attention import (
     AttentionMetadata,
     finite_or_zero,
-    token_positions,
+    token_slots,
     zero_page_tails,
 )
 from jaxinfer.ops.rope import QKPrologue
-from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import _prologue, _swapped_d
+from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import prologue_rows, swapped_d
 
 
 def _kernel(slot_ref, *refs, num_q_heads: int, num_kv_heads: int, scaled: bool,
@@ -68,14 +68,14 @@ def _kernel(slot_ref, *refs, num_q_heads: int, num_kv_heads: int, scaled: bool,
         """Heads [head0, head0 + count) of token t, [count rounded up, D], prologue applied."""
         h = head0 + jnp.minimum(lax.iota(jnp.int32, pl.next_power_of_2(count)), count - 1)
         x = heads_ref[t, h, :]
-        x_swap = pl_triton.load(heads_ref.at[t, h[:, None], _swapped_d(x)[None, :]]) \
+        x_swap = pl_triton.load(heads_ref.at[t, h[:, None], swapped_d(x)[None, :]]) \
             if rotate else None
         if scaled:  # `QKPrologue.scale_rows`: float32, rounded to the projection's dtype
             x = (x.astype(jnp.float32) * scale).astype(dtype)
             x_swap = None if x_swap is None else (x_swap.astype(jnp.float32) * scale
                                                   ).astype(dtype)
         if rotate:
-            x = _prologue(x, x_swap, norm_ref, cos_ref, sin_ref, t, prologue)
+            x = prologue_rows(x, x_swap, norm_ref, cos_ref, sin_ref, t, prologue)
         return h - head0, x
 
     rotate = prologue is not None
@@ -114,9 +114,8 @@ def write_kv_and_queries_gpu(qkv, k_pages, v_pages, md: AttentionMetadata, *,
         raise ValueError(f"kv write kernel: q {qkv.dtype} head_dim {D} with pages "
                          f"{k_pages.dtype}: pages in q's dtype (bf16 or f16), head_dim a "
                          "power of two >= 16 required")
-    seq, pos, valid = token_positions(md, T)
-    page = md.page_indices[seq, pos // page_size]
-    slot = jnp.where(valid, page * page_size + pos % page_size, -1)
+    page, slot, valid = token_slots(md, T, page_size)
+    slot = jnp.where(valid, page * page_size + slot, -1)  # its row of the flattened pages
     args = [slot]
     scaled = prologue is not None and prologue.row_scale is not None
     if scaled:

@@ -89,7 +89,7 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
     v_new_ref [T, H', D] in the pages' dtype, KV head h at head kv_head0[0] + h (k) /
     kv_head0[1] + h (v): separate arrays (kv_head0 = (0, 0)), or q_ref's array again (the
     fused projection); sinks_ref [Hkv, G] (base-2 logits) if use_sinks; if prologue (T = 1,
-    `_prologue`): cos_ref / sin_ref [T, D], then q_norm_ref / k_norm_ref [D] if it has
+    `prologue_rows`): cos_ref / sin_ref [T, D], then q_norm_ref / k_norm_ref [D] if it has
     norms, and q / k_new are the raw projections. Outputs: out_ref [T, Hq, D]
     (one split) or [T, Hkv, SP, rows, D] float32 with lse_ref [T, Hkv, SP, rows] (SP:
     splits rounded up to a power of two); then, if write, k_out_ref / v_out_ref, the
@@ -125,8 +125,8 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
         if not one_token:  # positions >= this are read from k_new / v_new
             new_start = new_start_ref[t]
         if prologue is not None:  # (T = 1) the k row normed and rotated, as q below
-            k_swap = pl_triton.load(k_new_ref.at[t, k_head, _swapped_d(k_row)])
-            k_row = _prologue(k_row, k_swap, norm_refs[1], cos_ref, sin_ref, t, prologue)
+            k_swap = pl_triton.load(k_new_ref.at[t, k_head, swapped_d(k_row)])
+            k_row = prologue_rows(k_row, k_swap, norm_refs[1], cos_ref, sin_ref, t, prologue)
         if kv_head0 != (0, 0):  # the raw projection: stored finite, as `quantize_kv` does
             k_row = finite_or_zero(k_row.astype(k_out_ref.dtype))
             v_row = finite_or_zero(v_row.astype(v_out_ref.dtype))
@@ -152,8 +152,8 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
     q_head = h * group + head
     q = q_ref[t, q_head, :]  # [rows, D]
     if prologue is not None:
-        q_swap = pl_triton.load(q_ref.at[t, q_head[:, None], _swapped_d(q)[None, :]])
-        q = _prologue(q, q_swap, norm_refs[0], cos_ref, sin_ref, t, prologue)
+        q_swap = pl_triton.load(q_ref.at[t, q_head[:, None], swapped_d(q)[None, :]])
+        q = prologue_rows(q, q_swap, norm_refs[0], cos_ref, sin_ref, t, prologue)
     if use_sinks:
         sink = sinks_ref[h, head]
         max0 = jnp.where(s == 0, sink, MASKED)
@@ -215,13 +215,13 @@ def _attention_kernel(token_seq_ref, token_pos_ref, new_start_ref, page_indices_
         pl_triton.store(v_out_ref.at[slot, h, :], v_row, mask=keep)
 
 
-def _swapped_d(x):
+def swapped_d(x):
     """[D] int32: (d + D / 2) % D, the halves of a head swapped (RoPE's rotate_half)."""
     half = x.shape[-1] // 2
     return (lax.iota(jnp.int32, x.shape[-1]) + half) % x.shape[-1]
 
 
-def _prologue(x, x_swap, norm_ref, cos_ref, sin_ref, t, prologue: dict):
+def prologue_rows(x, x_swap, norm_ref, cos_ref, sin_ref, t, prologue: dict):
     """`QKPrologue.apply` on rows x [..., D] of token t (x_swap: the same rows with their
     halves swapped), rounding to x.dtype where XLA's ops do: RMSNorm (if norm_ref; the
     contract's `inverse_rms` / `scale_normed`), then RoPE by token t's rows of the tables
@@ -234,7 +234,7 @@ def _prologue(x, x_swap, norm_ref, cos_ref, sin_ref, t, prologue: dict):
     if norm_ref is not None:
         inv = inverse_rms(x32, prologue["eps"])
         d = lax.iota(jnp.int32, x.shape[-1])
-        scale, scale_swap = norm_ref[d].astype(f32), norm_ref[_swapped_d(x)].astype(f32)
+        scale, scale_swap = norm_ref[d].astype(f32), norm_ref[swapped_d(x)].astype(f32)
         # float32 scales: the product in float32, rounded to dtype as XLA's dtype product.
         x32 = scale_normed(x32, inv, scale, dtype).astype(dtype).astype(f32)
         s32 = scale_normed(s32, inv, scale_swap, dtype).astype(dtype).astype(f32)

@@ -205,10 +205,7 @@ def write_kv_pages(k, v, k_pages, v_pages, md: AttentionMetadata, *,
     md.zero_tails is False: known finite already), so the pages a kernel reads whole always
     hold finite values.
     """
-    token_seq, token_pos, valid = token_positions(md, k.shape[0])
-    page_size = k_pages.shape[1]
-    page = md.page_indices[token_seq, token_pos // page_size]
-    slot = token_pos % page_size
+    page, slot, valid = token_slots(md, k.shape[0], k_pages.shape[1])
     k_new, v_new = quantize_kv(k, k_pages.dtype, k_scale), quantize_kv(v, v_pages.dtype, v_scale)
     if k.shape[0] == 1 and md.scratch_page:
         # One token (batch-1 decode): a dynamic_update_slice, which XLA runs in place with
@@ -246,6 +243,13 @@ def zero_page_tails(k_pages, v_pages, md: AttentionMetadata):
     k_pages = k_pages.at[page, pos % ps].set(zeros, mode="drop")
     v_pages = v_pages.at[page, pos % ps].set(zeros, mode="drop")
     return k_pages, v_pages
+
+
+def token_slots(md: AttentionMetadata, num_tokens: int, page_size: int):
+    """For each of the T tokens: (the page its k/v go to, the slot in it, is it live);
+    a padding token's page and slot are in range but must not be written."""
+    seq, pos, valid = token_positions(md, num_tokens)
+    return md.page_indices[seq, pos // page_size], pos % page_size, valid
 
 
 def token_positions(md: AttentionMetadata, num_tokens: int):
