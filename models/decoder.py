@@ -31,8 +31,9 @@ from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 class DecoderLayer(nnx.Module):
     """x + attn(input_norm(x)), then + mlp(post_attn_norm(x)). A norm is an `RMSNorm` or, in
     front of float projections, a `FoldedRMSNorm` (its scale in their weights) that hands
-    them x and 1 / rms(x) instead (`projection_input`); an MoE block's norm stays plain
-    (its experts read the normalised input) and its router may hold the scale."""
+    them x and its `RowNorm` instead (`projection_input`: they scale their rows by its
+    1 / rms); an MoE block's norm stays plain (its experts read the normalised input) and
+    its router may hold the scale."""
 
     def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
@@ -43,8 +44,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, rope, kv_pages, md):
         """x [T, hidden], rope: RoPE's (cos, sin) tables for the step's tokens."""
-        x_in, row_scale = self.input_norm.projection_input(x)
-        h, kv_pages = self.attn(x_in, rope, kv_pages, md, row_scale)
+        x_in, row_norm = self.input_norm.projection_input(x)
+        h, kv_pages = self.attn(x_in, rope, kv_pages, md, row_norm)
         x = x + h
         if isinstance(self.mlp, MoE):  # padding tokens must not route to experts
             live = jnp.arange(x.shape[0]) < md.cu_q_lens[md.num_seqs[0]]
@@ -52,8 +53,8 @@ class DecoderLayer(nnx.Module):
             x_in = self.post_attn_norm.scaled(x, inv_rms)
             x = x + self.mlp(x_in, live, raw=(x, inv_rms))
         else:
-            x_in, row_scale = self.post_attn_norm.projection_input(x)
-            x = x + self.mlp(x_in, row_scale)
+            x_in, row_norm = self.post_attn_norm.projection_input(x)
+            x = x + self.mlp(x_in, None if row_norm is None else row_norm.inverse())
         return x, kv_pages
 
 

@@ -30,7 +30,7 @@ from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata
 from jaxinfer.ops.attention_registry import ragged_paged_attention
 from jaxinfer.ops.linear_registry import linear
 from jaxinfer.ops.quant import QuantizedWeight
-from jaxinfer.ops.rope import QKPrologue, inverse_rms, scale_normed
+from jaxinfer.ops.rope import QKPrologue, RowNorm, inverse_rms, scale_normed
 from jaxinfer.sharding import (
     ArrayRecipe,
     P,
@@ -317,7 +317,8 @@ class RMSNorm(nnx.Module):
         return scale_normed(x.astype(jnp.float32), inv_rms, self.scale[...], x.dtype)
 
     def projection_input(self, x):
-        """(the input of the projections this norm feeds, their row_scale): (norm(x), None)."""
+        """(the input of the projections this norm feeds, the `RowNorm` whose 1 / rms they
+        scale their rows by): (norm(x), None)."""
         return self(x), None
 
 
@@ -345,8 +346,8 @@ class FoldedRMSNorm(RMSNorm):
         return folded
 
     def projection_input(self, x):
-        """(x, its 1 / rms(x) [..., 1] float32 as the projections' row_scale)."""
-        return x, self.inv_rms(x)
+        """(x, its `RowNorm`: the projections' row scale is its 1 / rms)."""
+        return x, RowNorm.of(x.astype(jnp.float32), self.eps)
 
 
 def _scaled_columns(arrays):
@@ -396,8 +397,9 @@ class Attention(nnx.Module):
         self.sliding_window = c.layer_window(layer)
         self.config = c
 
-    def __call__(self, x, rope, kv_pages, md: AttentionMetadata, row_scale=None):
-        """x [T, hidden] (and its `row_scale`, see `RMSNorm.projection_input`), rope: RoPE's
+    def __call__(self, x, rope, kv_pages, md: AttentionMetadata,
+                 row_norm: RowNorm | None = None):
+        """x [T, hidden] (and its `row_norm`, see `RMSNorm.projection_input`), rope: RoPE's
         (cos, sin) [T, head_dim] for the step's tokens (`rope_tables`) -> (out, kv_pages)."""
         T = x.shape[0]
         # The input norm's row scale, q/k norms (qk_norm) and RoPE: applied by the attention
@@ -406,8 +408,9 @@ class Attention(nnx.Module):
             q_norm=self.q_norm.scale[...], k_norm=self.k_norm.scale[...], eps=self.q_norm.eps))
         # The input norm's row scale: applied by attention's prologue, except where a bias
         # follows it (`linear` adds the bias after the scale), by the projection.
-        proj_scale, late_scale = (row_scale, None) if self.config.qkv_bias else (None, row_scale)
-        prologue = QKPrologue(*rope, **norms, row_scale=late_scale)
+        proj_scale, late_norm = ((None if row_norm is None else row_norm.inverse(), None)
+                                 if self.config.qkv_bias else (None, row_norm))
+        prologue = QKPrologue(*rope, **norms, row_norm=late_norm)
         attend = functools.partial(ragged_paged_attention, sm_scale=self.head_dim ** -0.5,
                                    sliding_window=self.sliding_window)
         heads = P("batch", "heads", "head_dim")

@@ -10,9 +10,9 @@ kernel, GPU (Triton) lowering, one program per token.
              outputs: updated in place under donation
   md         `AttentionMetadata`: token t goes to its sequence's page and slot
              (`token_slots`); padding tokens write nothing
-  prologue   a `QKPrologue` or None: q, k and v times its row scale, then q's and k's norm
-             and RoPE (`QKPrologue.scale_rows`, `QKPrologue.apply`), rounded where XLA's
-             ops round
+  prologue   a `QKPrologue` or None: q, k and v times its row norm's 1 / rms (computed
+             here from the sums of squares), then q's and k's norm and RoPE
+             (`QKPrologue.scale_rows`, `QKPrologue.apply`), rounded where XLA's ops round
 
 Program t loads token t's heads whole ([Hq, D], [Hkv, D] twice, each head count rounded up
 to a power of two by repeating the last head, whose duplicate stores write the same
@@ -43,15 +43,16 @@ from jaxinfer.ops.rope import QKPrologue
 from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import prologue_rows, swapped_d
 
 
-def _kernel(slot_ref, *refs, num_q_heads: int, num_kv_heads: int, scaled: bool,
-            prologue: dict | None):
+def _kernel(slot_ref, *refs, num_q_heads: int, num_kv_heads: int,
+            row_norm: tuple[int, float] | None, prologue: dict | None):
     """Token t = program 0. slot_ref [T]: the token's row of the pages viewed as
-    [num_pages * page_size, Hkv, D], -1 for padding; then scale_ref [T] float32 if scaled;
+    [num_pages * page_size, Hkv, D], -1 for padding; then sum_sq_ref [T] float32 if
+    row_norm (its (dim, eps): the row scale is rsqrt(sum_sq / dim + eps), `RowNorm`);
     cos_ref / sin_ref [T, D] and q_norm_ref / k_norm_ref [D] (if it has norms) if
     prologue; heads_ref [T, Hq + 2 Hkv, D]; the pages (aliased, not read). Outputs: q_ref
     [T, Hq, D], then the pages."""
     refs = list(refs)
-    scale_ref = refs.pop(0) if scaled else None
+    sum_sq_ref = refs.pop(0) if row_norm is not None else None
     cos_ref = sin_ref = None
     norm_refs = (None, None)
     if prologue is not None:
@@ -62,7 +63,10 @@ def _kernel(slot_ref, *refs, num_q_heads: int, num_kv_heads: int, scaled: bool,
     t = pl.program_id(0)
     slot = slot_ref[t]
     dtype = heads_ref.dtype
-    scale = scale_ref[t] if scaled else None
+    scaled = row_norm is not None
+    if scaled:  # `RowNorm.inverse`
+        dim, eps = row_norm
+        scale = lax.rsqrt(sum_sq_ref[t] / dim + eps)
 
     def load(head0: int, count: int, rotate: bool, norm_ref):
         """Heads [head0, head0 + count) of token t, [count rounded up, D], prologue applied."""
@@ -117,9 +121,9 @@ def write_kv_and_queries_gpu(qkv, k_pages, v_pages, md: AttentionMetadata, *,
     page, slot, valid = token_slots(md, T, page_size)
     slot = jnp.where(valid, page * page_size + slot, -1)  # its row of the flattened pages
     args = [slot]
-    scaled = prologue is not None and prologue.row_scale is not None
-    if scaled:
-        args.append(prologue.row_scale.reshape(T).astype(jnp.float32))
+    row_norm = None if prologue is None else prologue.row_norm
+    if row_norm is not None:
+        args.append(row_norm.sum_sq.reshape(T).astype(jnp.float32))
     if prologue is not None:
         args += [prologue.cos, prologue.sin]
         if prologue.q_norm is not None:
@@ -128,7 +132,8 @@ def write_kv_and_queries_gpu(qkv, k_pages, v_pages, md: AttentionMetadata, *,
     n = len(args)
     args += [heads, k_pages.reshape(pages_shape), v_pages.reshape(pages_shape)]
     kernel = functools.partial(
-        _kernel, num_q_heads=Hq, num_kv_heads=Hkv, scaled=scaled,
+        _kernel, num_q_heads=Hq, num_kv_heads=Hkv,
+        row_norm=None if row_norm is None else (row_norm.dim, row_norm.eps),
         prologue=None if prologue is None else dict(norm=prologue.q_norm is not None,
                                                     eps=prologue.eps))
     q, k_out, v_out = pl.pallas_call(

@@ -34,7 +34,7 @@ from jaxinfer.ops.attention import (
     write_kv_pages,
 )
 from jaxinfer.ops.attention_registry import REGISTRY, ragged_paged_attention
-from jaxinfer.ops.rope import QKPrologue, rope_tables
+from jaxinfer.ops.rope import QKPrologue, RowNorm, rope_tables
 from jaxinfer.pallas_kernels import kv_write_gpu
 from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu_kernel
 
@@ -500,7 +500,7 @@ def test_kv_write_kernel_matches_oracle(name):
     case = dataclasses.replace(CASES[name], dtype="bfloat16")
     b = build(case)
     rng = np.random.default_rng()
-    prologue, seen = _prologue_oracle(case, b, True, rng, row_scale=True)
+    prologue, seen = _prologue_oracle(case, b, True, rng, row_norm=True)
     T = b["q"].shape[0]
     qkv = jnp.concatenate([jnp.asarray(b[n], jnp.bfloat16).reshape(T, -1)
                            for n in ("q", "k", "v")], 1)
@@ -765,11 +765,11 @@ PROLOGUE_CASES = {
 }
 
 
-def _prologue_oracle(case: Case, b, norm: bool, rng, row_scale: bool = False):
+def _prologue_oracle(case: Case, b, norm: bool, rng, row_norm: bool = False):
     """A random prologue for the case's tokens, and b with q / k replaced by the float64
-    result (rounded to the case's dtype): what attention then sees. row_scale: the
-    prologue scales each token's q, k and v by a random factor first (v: in float32,
-    rounded once, as `linear` does)."""
+    result (rounded to the case's dtype): what attention then sees. row_norm: the
+    prologue scales each token's q, k and v by the 1 / rms of a random `RowNorm` first
+    (v: in float32, rounded once, as `linear` does)."""
     T, d = b["q"].shape[0], case.d
     pos = np.zeros(T, np.int32)
     t0 = 0
@@ -782,8 +782,14 @@ def _prologue_oracle(case: Case, b, norm: bool, rng, row_scale: bool = False):
     scales = [np.asarray(jnp.asarray(rng.uniform(0.5, 1.5, d), dt).astype(jnp.float32))
               for _ in range(2)] if norm else [None, None]
 
-    # (near 1: larger q and k sharpen the softmax past the bf16 tolerances below)
-    rows = rng.uniform(0.8, 1.25, (T, 1)).astype(np.float32) if row_scale else None
+    # 1 / rms near 1 (larger q and k sharpen the softmax past the bf16 tolerances below)
+    stat = rows = None
+    if row_norm:
+        dim, row_eps = 4096, 1e-5
+        target = rng.uniform(0.8, 1.25, (T, 1))
+        stat = RowNorm(jnp.asarray(dim * (1 / target ** 2 - row_eps), jnp.float32), dim,
+                       row_eps)
+        rows = np.asarray(stat.inverse())  # float32, as the kernels compute it
 
     def scaled(x):  # [T, H, D] times the row scale, in float32 rounded to the dtype
         if rows is None:
@@ -802,7 +808,7 @@ def _prologue_oracle(case: Case, b, norm: bool, rng, row_scale: bool = False):
 
     cos, sin = rope_tables(jnp.asarray(pos), jnp.asarray(inv_freq, jnp.float32), factor, dt)
     prologue = QKPrologue(cos, sin, *(None if s is None else jnp.asarray(s, dt) for s in scales),
-                          eps=eps, row_scale=None if rows is None else jnp.asarray(rows))
+                          eps=eps, row_norm=stat)
     return prologue, dict(b, q=want(b["q"], scales[0]), k=want(b["k"], scales[1]),
                           v=scaled(b["v"]))
 
@@ -844,7 +850,7 @@ def check_prologue(case: Case, norm: bool, fused: bool, implementation: str, pla
         case = dataclasses.replace(case, dtype="bfloat16")
     b = build(case)
     prologue, seen = _prologue_oracle(case, b, norm, np.random.default_rng(case.seed),
-                                      row_scale=fused)
+                                      row_norm=fused)
     applied, real_apply = [], QKPrologue.apply
     monkeypatch.setattr(QKPrologue, "apply",
                         lambda self, q, k: applied.append(1) or real_apply(self, q, k))

@@ -159,12 +159,12 @@ def ragged_paged_attention(
                                   soft_cap=soft_cap, sinks=sinks, prologue=prologue)
     impl = REGISTRY.pick(call, implementation)
     fused = impl.fused(call)
-    if prologue is not None and ROW_SCALE not in fused and prologue.row_scale is not None:
+    if prologue is not None and ROW_SCALE not in fused and prologue.row_norm is not None:
         if k is None:
             q, = prologue.scale_rows(q)  # the fused projection
         else:
             q, k, v = prologue.scale_rows(q, k, v)
-        prologue = dataclasses.replace(prologue, row_scale=None)
+        prologue = dataclasses.replace(prologue, row_norm=None)
     if k is None and SPLIT_QKV not in fused:
         q, k, v = split_qkv(q, call.num_kv_heads, call.head_dim)
     options = {}

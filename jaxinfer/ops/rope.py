@@ -98,6 +98,34 @@ def inverse_rms(x32, eps: float):
     return row_local(rows, x32)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm's statistic of each token, for a kernel that computes its 1 / rms itself:
+
+      sum_sq  [T, 1] float32: the sum of x^2 over the token's `dim` features
+      dim     static int, eps static float: 1 / rms = rsqrt(sum_sq / dim + eps)
+
+    Why not 1 / rms itself: the reduction that gives sum_sq is fused with the residual add
+    before it, and XLA runs the rsqrt after it as a kernel of its own wherever a custom
+    kernel reads the result (bench/NOTES.md, Ragged paged attention: the input norm's
+    rsqrt in the write kernel)."""
+
+    sum_sq: jax.Array
+    dim: int = dataclasses.field(metadata=dict(static=True))
+    eps: float = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def of(cls, x32, eps: float) -> RowNorm:
+        """x32 [T, dim] float32 -> its rows' statistic (row local, as `inverse_rms`)."""
+        return cls(row_local(lambda x: jnp.sum(x * x, axis=-1, keepdims=True), x32),
+                   x32.shape[-1], eps)
+
+    def inverse(self):
+        """1 / rms [T, 1] float32, the same value as `inverse_rms` (mean = sum / dim)."""
+        return jax.lax.rsqrt(self.sum_sq / self.dim + self.eps)
+
+
 def scale_normed(x32, inv, scale, dtype):
     """The RMSNorm of x32 [..., D] float32 given its `inverse_rms` inv: x / rms(x) rounded to
     dtype, times the norm's scale [D] (as `models.layers.RMSNorm`: scale * (x / rms(x))). With
@@ -118,8 +146,9 @@ class QKPrologue:
       q_norm     [D]            the q norm's scale (in q's dtype), or None
       k_norm     [D]            the k norm's scale, or None
       eps                       static float: the norms' eps
-      row_scale  [T, 1] float32 or None: each token's projections are multiplied by it
-                 first, rounded to their dtype (`scale_rows`, as `linear`'s row_scale)
+      row_norm   a `RowNorm` or None: each token's projections are multiplied by its
+                 1 / rms first, rounded to their dtype (`scale_rows`, as `linear`'s
+                 row_scale)
 
     `ragged_paged_attention` applies it with XLA before an implementation (`scale_rows`,
     `apply`), except where the implementation fuses it (its registry entry's `fuses`): the
@@ -134,14 +163,15 @@ class QKPrologue:
     q_norm: jax.Array | None = None
     k_norm: jax.Array | None = None
     eps: float = dataclasses.field(default=1e-6, metadata=dict(static=True))
-    row_scale: jax.Array | None = None
+    row_norm: RowNorm | None = None
 
     def scale_rows(self, *xs):
-        """Each x [T, ...] (the fused projection, or q, k, v) times the row scale as
+        """Each x [T, ...] (the fused projection, or q, k, v) times the row norm's 1 / rms as
         `linear`'s epilogue does it: in float32, rounded to x's dtype. Identity without one."""
-        if self.row_scale is None:
+        if self.row_norm is None:
             return xs
-        return tuple((x.astype(jnp.float32) * self.row_scale.reshape(
+        scale = self.row_norm.inverse()
+        return tuple((x.astype(jnp.float32) * scale.reshape(
             (-1,) + (1,) * (x.ndim - 1))).astype(x.dtype) for x in xs)
 
     def apply(self, q, k):
