@@ -133,10 +133,12 @@ def main():
 
     if a.decode_sweep:
         rng = np.random.default_rng(0)
-        shapes = [("B=64 ctx=896", [(1, 896)] * 64), ("B=64 ctx=1376", [(1, 1376)] * 64),
+        shapes = [("B=256 ctx=384", [(1, 384)] * 256),
+                  ("B=256 ctx U[128,512]", [(1, int(n)) for n in rng.integers(128, 513, 256)]),
+                  ("B=64 ctx=896", [(1, 896)] * 64), ("B=64 ctx=1376", [(1, 1376)] * 64),
                   ("B=64 ctx U[640,1280]", [(1, int(n)) for n in rng.integers(640, 1281, 64)])]
         # (block_kv, num_stages) with decode's tile_rows 8 and no KV split
-        configs = [(128, 2), (64, 3), (64, 4), (64, 5)]
+        configs = [(128, 2), (128, 3), (64, 3), (64, 4), (64, 6)]
         for (label, seqs), page in itertools.product(shapes, map(int, a.page_sizes.split(","))):
             args, nbytes, flops = paged_attention_case(seqs, page_size=page)
             label = f"{label} page={page}"
@@ -144,8 +146,8 @@ def main():
             add(f"{label} mosaic default", ours(), args, nbytes, flops)
             for bk, st in configs:
                 if bk % page == 0:
-                    add(f"{label} mosaic bk={bk} stages={st}", ours(Config(bk, st, 1, 1, 8)),
-                        args, nbytes, flops)
+                    cfg = Config(bk, st, 1, 1, 8, queries_in_place=True)
+                    add(f"{label} mosaic bk={bk} stages={st}", ours(cfg), args, nbytes, flops)
             if page == PAGE:
                 fn, sargs = stock_paged_attention(args)
                 add(f"{label} stock paged_attention", fn, sargs, nbytes, flops)
@@ -211,7 +213,7 @@ def main():
     for label, cargs, cbytes, cflops, t_bf16, (T, ctx) in (
             ("decode B=32 ctx=8192", args8, b8, fl, t16, (32, 8192)),
             ("decode B=256 ctx=384", b256_8, b256_b8, b256_fl, t16_256, (256, 384))):
-        cfg = choose_config(T, T, HKV, ctx, D, HQ // HKV)
+        cfg = choose_config(T, T, HKV, ctx, D, HQ // HKV, fp8=True)
         for upcaster in (True, False):
             t = add(f"{label} fp8 KV mosaic upcaster={upcaster}",
                     ours(dataclasses.replace(cfg, fp8_upcaster=upcaster), k_scale=1.0,

@@ -108,17 +108,18 @@ class Config:
 
 
 def choose_config(num_tokens: int, max_seqs: int, num_kv_heads: int, max_ctx: int,
-                  head_dim: int, group: int) -> Config:
+                  head_dim: int, group: int, fp8: bool = False) -> Config:
     """Static heuristics: decode-like batches (about one token per sequence) use one
-    consumer warpgroup and split long contexts over the SMs; prefill-heavy batches use
-    two consumer warpgroups sharing each KV block."""
+    consumer warpgroup, KV blocks of 64 tokens (128 on fp8 pages, whose upcast warpgroup
+    was measured there) and split long contexts over the SMs (a split at least 512 tokens);
+    prefill-heavy batches use two consumer warpgroups sharing each KV block."""
     decode_like = num_tokens <= 2 * max_seqs
     if not decode_like:
         return _prefill_config(head_dim)
-    block_kv = _prefill_config(head_dim).block_kv
+    block_kv = _prefill_config(head_dim).block_kv if fp8 else 64
     tile_rows = min(ROWS, -(-group // 8) * 8)
     ctas = max(1, min(num_tokens, max_seqs)) * num_kv_heads
-    splits = max(1, min(-(-2 * NUM_SMS // ctas), max_ctx // (4 * block_kv)))
+    splits = max(1, min(-(-2 * NUM_SMS // ctas), max_ctx // 512))
     return Config(block_kv=block_kv, num_stages=3, compute_wgs=1, num_splits=splits,
                   tile_rows=tile_rows)
 
@@ -802,7 +803,7 @@ def attend_pages_mgpu(
     # fp8 pages are upcast to f16 (one cvt instruction; e4m3 -> bf16 has none), so the
     # queries and P run in f16 too: exact for e4m3 and P, and q's range fits f16.
     compute_dtype = jnp.float16 if fp8 else q.dtype
-    cfg = config or choose_config(T, S, Hkv, P * page_size, D, G)
+    cfg = config or choose_config(T, S, Hkv, P * page_size, D, G, fp8)
     if batch_invariant:
         cfg = batch_invariant_config(cfg, D, q.dtype, k_pages.dtype)
     if cfg.tile_rows % 8 or not G <= cfg.tile_rows <= ROWS:
