@@ -2,7 +2,7 @@
 jaxinfer, run in turn.
 
   python bench/ab_bench.py --a DIR --b DIR [--bench throughput] [--rounds 3] [--out DIR]
-      -- ARGS [--- ARGS ...]          (on the device: bash bench/gpu_ab.sh)
+      [--b-env NAME=VALUE] -- ARGS [--- ARGS ...]     (on the device: bash bench/gpu_ab.sh)
 
 DIR is a site directory holding one build (e.g. `pip install --target DIR jaxinfer-*.whl`);
 each ARGS is one argument list of the bench command (e.g. `--preset llama3-8b --batch 1
@@ -33,8 +33,9 @@ FIGURES = {
 }
 
 
-def run_once(site: str, bench: str, args: list[str], out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=site, PYTHONUNBUFFERED="1")
+def run_once(site: str, bench: str, args: list[str], out: Path,
+             extra_env: dict[str, str] | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=site, PYTHONUNBUFFERED="1", **(extra_env or {}))
     cmd = [sys.executable, "-m", "jaxinfer.cli.main", "bench", bench, *args,
            "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
@@ -53,7 +54,11 @@ def main():
     p.add_argument("--bench", choices=sorted(FIGURES), default="latency")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=tempfile.gettempdir(), help="where each run's JSON goes")
+    p.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable set for B's runs only (e.g. XLA_FLAGS=...: "
+                        "A/B a compiler option with one build as both)")
     opts = p.parse_args(argv[:split])
+    b_env = dict(kv.split("=", 1) for kv in opts.b_env)
     groups, current = [], []
     for a in argv[split + 1:]:
         if a == "---":
@@ -75,7 +80,7 @@ def main():
         for r in range(opts.rounds):
             for name in ("a", "b"):
                 res = run_once(getattr(opts, name), opts.bench, args,
-                               out / f"ab_{g}_{r}_{name}.json")
+                               out / f"ab_{g}_{r}_{name}.json", b_env if name == "b" else None)
                 for _, key in figures:
                     runs[name, key].append(res[key])
                 print(f"{' '.join(args)} round {r} {name.upper()}: " + ", ".join(

@@ -3,7 +3,8 @@
 # the one in .whl/base/ (A, e.g. the commit before a restructure: `git archive REV | tar -x -C D`,
 # then `pip wheel --no-deps D -w .whl/base`), run in turn by bench/ab_bench.py; log under $OUT.
 #   device run: [BENCH=throughput] bash bench/gpu_ab.sh [ROUNDS] [-- ARGS [--- ARGS ...]]
-#   (carry: .whl). BENCH: the bench command compared (default latency).
+#   (carry: .whl). BENCH: the bench command compared (default latency). B_ENV=NAME=VALUE: set
+#   for B's runs only (with the same wheel in both: A/B a compiler flag).
 # Without ARGS, latency: Llama-3-8B and gpt-oss-20b bf16, and Qwen3-30B-A3B bf16 where it fits
 # (an H200) or int8 (an H100 80GB: its bf16 weights do not fit beside the KV cache);
 # throughput: Llama-3-8B, 512 requests of 128-256 in / 256 out, at the defaults.
@@ -23,5 +24,6 @@ elif [ $# -eq 0 ]; then
   set -- --preset llama3-8b $common --- --preset gpt-oss-20b $common \
     --- --preset qwen3-30b-a3b $qwen3 $common
 fi
+b_env=(); [ -n "${B_ENV:-}" ] && b_env=(--b-env "$B_ENV")
 python3 "$REPO/bench/ab_bench.py" --a /tmp/site_a --b /tmp/site --bench "$bench" --rounds "$rounds" \
-  --out /tmp/ab -- "$@" 2>&1 | tee -a "$OUT/ab.log"
+  --out /tmp/ab "${b_env[@]}" -- "$@" 2>&1 | tee -a "$OUT/ab.log"
