@@ -34,7 +34,7 @@ from jaxinfer.ops.attention import (
     write_kv_pages,
 )
 from jaxinfer.ops.attention_registry import REGISTRY, ragged_paged_attention
-from jaxinfer.ops.rope import QKPrologue, RowNorm, rope_tables
+from jaxinfer.ops.rope import QKPrologue, RowNorm, inverse_rms, rope_tables
 from jaxinfer.pallas_kernels import kv_write_gpu
 from jaxinfer.pallas_kernels import ragged_paged_attention_gpu as pallas_gpu_kernel
 
@@ -789,7 +789,9 @@ def _prologue_oracle(case: Case, b, norm: bool, rng, row_norm: bool = False):
         target = rng.uniform(0.8, 1.25, (T, 1))
         stat = RowNorm(jnp.asarray(dim * (1 / target ** 2 - row_eps), jnp.float32), dim,
                        row_eps)
-        rows = np.asarray(stat.inverse())  # float32, as the kernels compute it
+        # The scale in float32 as `RowNorm.inverse` rounds it (a kernel computing it so
+        # gives v to the bit; `test_row_norm_matches_float64` checks that value itself).
+        rows = np.asarray(stat.inverse())
 
     def scaled(x):  # [T, H, D] times the row scale, in float32 rounded to the dtype
         if rows is None:
@@ -811,6 +813,20 @@ def _prologue_oracle(case: Case, b, norm: bool, rng, row_norm: bool = False):
                           eps=eps, row_norm=stat)
     return prologue, dict(b, q=want(b["q"], scales[0]), k=want(b["k"], scales[1]),
                           v=scaled(b["v"]))
+
+
+def test_row_norm_matches_float64():
+    """`RowNorm` (and `inverse_rms`, which uses it): 1 / sqrt(mean(x^2) + eps) of each row,
+    against float64, on rows of several magnitudes."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((37, 576)) * rng.uniform(0.01, 100, (37, 1))).astype(np.float32)
+    eps = 1e-5
+    want = 1 / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)
+    stat = RowNorm.of(jnp.asarray(x), eps)
+    assert stat.sum_sq.shape == (37, 1) and stat.dim == 576
+    np.testing.assert_allclose(np.asarray(stat.inverse()), want, rtol=2e-6)
+    np.testing.assert_array_equal(np.asarray(inverse_rms(jnp.asarray(x), eps)),
+                                  np.asarray(stat.inverse()))
 
 
 PROLOGUE_BACKENDS = [("reference", "cpu"), ("pallas_gpu", "cpu"),

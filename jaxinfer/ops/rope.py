@@ -89,13 +89,9 @@ def apply_rope(x, cos, sin):
 
 
 def inverse_rms(x32, eps: float):
-    """x32 [..., D] float32 -> 1 / sqrt(mean(x^2) + eps) over its last axis, [..., 1], row
-    local (`row_local`): XLA:CPU reduces a row in one order below 8 rows and in another from
-    8 on, and fused with other work its order may change with the program."""
-    def rows(x):
-        return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-    return row_local(rows, x32)
+    """x32 [..., D] float32 -> 1 / sqrt(mean(x^2) + eps) over its last axis, [..., 1]
+    (`RowNorm`: its sums of squares row local)."""
+    return RowNorm.of(x32, eps).inverse()
 
 
 @jax.tree_util.register_dataclass
@@ -103,7 +99,7 @@ def inverse_rms(x32, eps: float):
 class RowNorm:
     """An RMSNorm's statistic of each token, for a kernel that computes its 1 / rms itself:
 
-      sum_sq  [T, 1] float32: the sum of x^2 over the token's `dim` features
+      sum_sq  [..., 1] float32: the sum of x^2 over the token's `dim` features
       dim     static int, eps static float: 1 / rms = rsqrt(sum_sq / dim + eps)
 
     Why not 1 / rms itself: the reduction that gives sum_sq is fused with the residual add
@@ -117,12 +113,14 @@ class RowNorm:
 
     @classmethod
     def of(cls, x32, eps: float) -> RowNorm:
-        """x32 [T, dim] float32 -> its rows' statistic (row local, as `inverse_rms`)."""
+        """x32 [..., dim] float32 -> its rows' statistic, row local (`row_local`): XLA:CPU
+        reduces a row in one order below 8 rows and in another from 8 on, and fused with
+        other work its order may change with the program."""
         return cls(row_local(lambda x: jnp.sum(x * x, axis=-1, keepdims=True), x32),
                    x32.shape[-1], eps)
 
     def inverse(self):
-        """1 / rms [T, 1] float32, the same value as `inverse_rms` (mean = sum / dim)."""
+        """1 / rms [..., 1] float32 (mean(x^2) = sum_sq / dim)."""
         return jax.lax.rsqrt(self.sum_sq / self.dim + self.eps)
 
 
