@@ -54,7 +54,7 @@ class DecoderLayer(nnx.Module):
             x = x + self.mlp(x_in, live, raw=(x, inv_rms))
         else:
             x_in, row_norm = self.post_attn_norm.projection_input(x)
-            x = x + self.mlp(x_in, None if row_norm is None else row_norm.inverse())
+            x = x + self.mlp(x_in, row_norm)
         return x, kv_pages
 
 

@@ -322,6 +322,12 @@ class RMSNorm(nnx.Module):
         return self(x), None
 
 
+def projection_row_scale(row_norm: RowNorm | None):
+    """The row scale of the projections a `FoldedRMSNorm` feeds (`linear`'s row_scale): its
+    1 / rms [T, 1] float32, or None after a plain norm."""
+    return None if row_norm is None else row_norm.inverse()
+
+
 class FoldedRMSNorm(RMSNorm):
     """An RMSNorm whose scale is multiplied into the input columns of the float projections
     it feeds (`Linear.fold_scale`): they read x itself and scale their output rows by
@@ -408,8 +414,8 @@ class Attention(nnx.Module):
             q_norm=self.q_norm.scale[...], k_norm=self.k_norm.scale[...], eps=self.q_norm.eps))
         # The input norm's row scale: applied by attention's prologue, except where a bias
         # follows it (`linear` adds the bias after the scale), by the projection.
-        proj_scale, late_norm = ((None if row_norm is None else row_norm.inverse(), None)
-                                 if self.config.qkv_bias else (None, row_norm))
+        proj_scale, late_norm = ((projection_row_scale(row_norm), None) if self.config.qkv_bias
+                                 else (None, row_norm))
         prologue = QKPrologue(*rope, **norms, row_norm=late_norm)
         attend = functools.partial(ragged_paged_attention, sm_scale=self.head_dim ** -0.5,
                                    sliding_window=self.sliding_window)
@@ -444,7 +450,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear(i, c.hidden_size, axes=P("embed", "mlp"), bias=c.mlp_bias,
                                 dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, row_scale=None):
-        """x [T, hidden] (and its `row_scale`, see `RMSNorm.projection_input`) -> [T, hidden]."""
-        gate, up = self.gate_up_proj(x, row_scale)
+    def __call__(self, x, row_norm: RowNorm | None = None):
+        """x [T, hidden] (and its `row_norm`, see `RMSNorm.projection_input`) -> [T, hidden]."""
+        gate, up = self.gate_up_proj(x, projection_row_scale(row_norm))
         return self.down_proj(jax.nn.silu(gate) * up)
