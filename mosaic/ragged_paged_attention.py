@@ -42,7 +42,11 @@ Algorithm (flash attention over pages):
   (sinks join there). Without splits the kernel writes q.dtype directly.
 - Each CTA stores whole 64-row output tiles into its own slot of a per-entry
   buffer (TMA stores need static shapes and aligned shared-memory offsets); XLA
-  gathers the live rows back into token order (and merges splits).
+  gathers the live rows back into token order (and merges splits). Decode steps
+  with queries in place and no splits store into out itself: the KV heads whose
+  rows share a box of q's layout run one after another on one CTA, each adding
+  its rows to the box in shared memory, the last storing it; padding tokens'
+  items store zeros.
 - fp8 (e4m3) pages: each KV block is upcast to f16 in shared memory (exact; queries
   and P run in f16 then), with one consumer by a warpgroup of its own into a ring of
   f16 blocks (`Config.fp8_upcaster`), with two by each consumer; k_scale folds into the
@@ -166,6 +170,15 @@ def queries_in_place_reason(cfg: Config, num_tokens: int, num_seqs: int, num_q_h
     return None
 
 
+def _box_heads(cfg: Config, group: int) -> int | None:
+    """KV heads whose output rows share one box of out viewed as [T Hq / R, R, D] (R =
+    tile_rows), where the kernel stores its outputs straight into token order: queries in
+    place and no KV splits (which XLA merges). None: output tiles, gathered by XLA."""
+    if not cfg.queries_in_place or cfg.num_splits != 1:
+        return None
+    return cfg.tile_rows // group
+
+
 def _fit_stages(cfg: Config, head_dim: int, q_dtype, kv_dtype) -> Config:
     """Lowers num_stages (to 2 at least), then halves block_kv (to 64 at least), until the
     kernel's shared memory fits. Why block_kv: fp8 pages with two consumer warpgroups
@@ -228,34 +241,43 @@ def _work_list(md: AttentionMetadata, num_entries: int, tokens_per_block: int):
     return jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
 
 
-def _schedule(work, num_kv_heads: int, num_splits: int, num_ctas: int, block_kv: int):
+def _schedule(work, num_kv_heads: int, num_splits: int, num_ctas: int, block_kv: int,
+              box_heads: int | None = None):
     """Deals the work items out to the persistent CTAs.
 
     Item i is (entry i // (Hkv * splits), KV head i // splits % Hkv, split i % splits).
     Items are sorted by cost (the KV blocks their entry reads; items of entries with no
     tokens cost 0 and come last) and dealt in snake order (CTA 0..C-1, then C-1..0, ...),
-    which evens out the lists' costs. Returns (items [C, R] int32, -1 = none, and
-    counts [C] int32: each list's live items, which come first).
+    which evens out the lists' costs. With `box_heads` (`_box_heads`: the kernel stores
+    output boxes), the box_heads consecutive items whose rows share a box are dealt as one
+    unit, in order, to one CTA (its last item stores the box), and items of entries with no
+    tokens stay live (they store their box's rows as zeros). Returns (items [C, R] int32,
+    -1 = none, and counts [C] int32: each list's live items, which come first).
     """
+    unit = box_heads or 1
     per_entry = num_kv_heads * num_splits
-    num_items = work.shape[0] * per_entry
-    rounds = -(-num_items // num_ctas)
+    num_units = work.shape[0] * per_entry // unit
+    rounds = -(-num_units // num_ctas)
     tokens, kv_end = work[:, 2], work[:, 3] + work[:, 2]
     cost = jnp.where(tokens > 0, (kv_end + block_kv - 1) // block_kv + 1, 0)
-    cost = jnp.repeat(cost, per_entry)
-    if rounds == 1:  # one item per CTA (e.g. small decode batches): nothing to balance
-        live = cost > 0
-        return jnp.where(live, jnp.arange(num_items, dtype=jnp.int32), -1)[:, None], \
-            live.astype(jnp.int32)
-    order = jnp.argsort(-cost, stable=True).astype(jnp.int32)
-    k = jnp.arange(num_items, dtype=jnp.int32)
-    r, lane = k // num_ctas, k % num_ctas
-    cta = jnp.where(r % 2 == 0, lane, num_ctas - 1 - lane)
-    live = cost[order] > 0
-    items = jnp.full((num_ctas, rounds), -1, jnp.int32).at[cta, r].set(
-        jnp.where(live, order, -1))
-    counts = jnp.zeros(num_ctas, jnp.int32).at[cta].add(live.astype(jnp.int32))
-    return items, counts
+    if box_heads:
+        cost = jnp.maximum(cost, 1)
+    cost = jnp.repeat(cost, per_entry // unit)  # per unit
+    if rounds == 1:  # one unit per CTA (e.g. small decode batches): nothing to balance
+        units = jnp.where(cost > 0, jnp.arange(num_units, dtype=jnp.int32), -1)[:, None]
+        counts = (cost > 0).astype(jnp.int32) * unit
+    else:
+        order = jnp.argsort(-cost, stable=True).astype(jnp.int32)
+        k = jnp.arange(num_units, dtype=jnp.int32)
+        r, lane = k // num_ctas, k % num_ctas
+        cta = jnp.where(r % 2 == 0, lane, num_ctas - 1 - lane)
+        live = cost[order] > 0
+        units = jnp.full((num_ctas, rounds), -1, jnp.int32).at[cta, r].set(
+            jnp.where(live, order, -1))
+        counts = jnp.zeros(num_ctas, jnp.int32).at[cta].add(live.astype(jnp.int32) * unit)
+    items = jnp.where(units[..., None] >= 0,
+                      units[..., None] * unit + jnp.arange(unit, dtype=jnp.int32), -1)
+    return items.reshape(units.shape[0], -1), counts
 
 
 # The fields of an item's row in the table the kernel reads (`_item_rows`), then the
@@ -303,7 +325,7 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                       group: int, num_q_heads: int, head_dim: int, page_size: int,
                       sm_scale: float,
                       sliding_window: int | None, soft_cap: float | None, fp8: bool,
-                      v_scale: float | None):
+                      v_scale: float | None, box_heads: int | None):
     (q_smem, k_smem, v_smem, o_smem, lse_smem, k16_smem, v16_smem, p_smem,
      k_ready, v_ready, q_ready, k_free, v_free, turn,
      k16_ready, v16_ready, k16_free, v16_free) = scratch
@@ -469,6 +491,29 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
             return (slot, (k_ready, k_free, k_smem.at[slot]),
                     (v_ready, v_free, v_smem.at[slot]))
 
+        def store_box(out, h, entry):
+            """An item's output [ROWS, D] f32 (`box_heads`): its G rows into the box of out
+            [T Hq / R, R, D] it shares with the box's other KV heads, which come just before
+            it on this CTA and left their rows in o_smem; the box's last head stores it."""
+            # The previous box's store must have read o_smem.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out = out.astype(o_smem.dtype)
+            if box_heads > 1:
+                first = lax.rem(h, jnp.int32(box_heads)) * group  # this head's first row
+                out_rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, head_dim), 0,
+                                                  layout=plgpu.Layout.WGMMA)
+                mine = (out_rows >= first) & (out_rows < first + group)
+                out = jnp.where(mine, out, plgpu.load(o_smem.at[wg],
+                                                      layout=plgpu.Layout.WGMMA))
+            o_smem.at[wg][...] = out
+            plgpu.commit_smem()
+
+            @pl.when(lax.rem(h, jnp.int32(box_heads)) == box_heads - 1)
+            def _():
+                box = entry * (num_q_heads // tile_rows) + lax.div(h * group,
+                                                                    jnp.int32(tile_rows))
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)], out_ref.at[box])
+
         def next_q(j):
             # Every wgmma that read q_smem has finished (its scores were read): the next
             # item's queries may load.
@@ -609,11 +654,14 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                     out = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
                     if v_scale is not None:
                         out = out * v_scale
-                    o_smem.at[wg][...] = out.astype(o_smem.dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)],
-                                            out_ref.at[0, h, entry, pl.ds(wg * tile_rows,
-                                                                          tile_rows)])
+                    if box_heads:
+                        store_box(out, h, entry)
+                    else:
+                        o_smem.at[wg][...] = out.astype(o_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, tile_rows)],
+                                                out_ref.at[0, h, entry,
+                                                           pl.ds(wg * tile_rows, tile_rows)])
                 else:
                     l_safe = jnp.where(l_i == 0, 1.0, l_i)
                     out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
@@ -639,6 +687,9 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
             def _pass():
                 lax.fori_loop(0, steps, pass_block, t0)
                 next_q(j)
+                if box_heads:  # a padding token (`_schedule`): its rows of out are 0
+                    store_box(plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
+                                                plgpu.Layout.WGMMA), h, entry)
 
             return t0 + steps
 
@@ -826,7 +877,7 @@ def attend_pages_mgpu(
     if cfg.queries_in_place:  # one token an entry, its rows read from q itself
         num_entries = T
         work = _work_list(md, num_entries, 1)
-        rows = _query_rows_in_place(md, T, Hkv, G, cfg)
+        rows = None if _box_heads(cfg, G) else _query_rows_in_place(md, T, Hkv, G, cfg)
         q_tiles = q.reshape(T * Hq // cfg.tile_rows, cfg.tile_rows, D)
     else:
         tokens_per_block = cfg.compute_wgs * (cfg.tile_rows // G)
@@ -836,10 +887,14 @@ def attend_pages_mgpu(
         q_tiles = _tile_queries(q, rows, num_entries, cfg, compute_dtype)
 
     split = cfg.num_splits > 1
+    box_heads = _box_heads(cfg, G)
     out_dtype = jnp.float32 if split else q.dtype
     rows_per_entry = cfg.compute_wgs * cfg.tile_rows
-    out_type = [jax.ShapeDtypeStruct((cfg.num_splits, Hkv, num_entries, rows_per_entry, D),
-                                     out_dtype)]
+    if box_heads:  # out itself, in boxes of R rows
+        out_type = [jax.ShapeDtypeStruct((T * Hq // cfg.tile_rows, cfg.tile_rows, D), q.dtype)]
+    else:
+        out_type = [jax.ShapeDtypeStruct(
+            (cfg.num_splits, Hkv, num_entries, rows_per_entry, D), out_dtype)]
     if split:
         out_type.append(jax.ShapeDtypeStruct(
             (cfg.num_splits, Hkv, num_entries, rows_per_entry), jnp.float32))
@@ -892,7 +947,7 @@ def attend_pages_mgpu(
         _attention_kernel, cfg=cfg, group=G, num_q_heads=Hq, head_dim=D, page_size=page_size,
         sm_scale=sm_scale * (k_scale if (fp8 and k_scale is not None) else 1.0),
         sliding_window=sliding_window, soft_cap=soft_cap, fp8=fp8,
-        v_scale=v_scale if fp8 else None)
+        v_scale=v_scale if fp8 else None, box_heads=box_heads)
 
     def entry(item_rows_ref, counts_ref, pages_ref, q_ref, kp_ref, vp_ref, *rest):
         if sinks_rows is not None:
@@ -910,9 +965,9 @@ def attend_pages_mgpu(
 
         pl.run_scoped(run, scratch, *barriers, *turn, *ring16, collective_axes="wg")
 
-    num_items = num_entries * Hkv * cfg.num_splits
-    num_ctas = max(1, min(cfg.num_ctas, num_items))
-    items, counts = _schedule(work, Hkv, cfg.num_splits, num_ctas, bk)
+    num_units = num_entries * Hkv * cfg.num_splits // (box_heads or 1)
+    num_ctas = max(1, min(cfg.num_ctas, num_units))
+    items, counts = _schedule(work, Hkv, cfg.num_splits, num_ctas, bk, box_heads)
     item_rows = _item_rows(items, work, page_indices, num_kv_heads=Hkv,
                            num_splits=cfg.num_splits, block_kv=bk, page_size=page_size,
                            sliding_window=sliding_window)
@@ -925,6 +980,8 @@ def attend_pages_mgpu(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(*args)
+    if box_heads:  # padding tokens' items stored zeros
+        return results[0].reshape(T, Hq, D)
     # Padding tokens (no CTA computes them) come back as 0, like the reference.
     out = _gather_rows(results[0], results[1] if split else None, rows, sinks)
     return out.astype(q.dtype)

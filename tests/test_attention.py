@@ -77,6 +77,7 @@ XLA_IMPLEMENTATIONS = ("by_sequence", "by_sequence_fixed_rows", "reference")
 
 
 def check_against_oracle(case: Case, implementation: str, platform: str, zero_tails=True):
+    """The case against the oracle (live outputs, pages); returns (out, the built case)."""
     if implementation not in XLA_IMPLEMENTATIONS and case.dtype == "float32":
         case = dataclasses.replace(case, dtype="bfloat16")
     b = build(case)
@@ -102,6 +103,7 @@ def check_against_oracle(case: Case, implementation: str, platform: str, zero_ta
     # And the write really changed the slots (k/v differ from the old page contents).
     assert not np.array_equal(kp[written], b["k_pages"][written])
     assert not np.array_equal(vp[written], b["v_pages"][written])
+    return out, b
 
 
 @pytest.mark.parametrize("implementation,platform", BACKENDS)
@@ -230,17 +232,27 @@ def test_mosaic_dead_query_rows_stay_in_their_rows(config, platform, monkeypatch
 
 
 # Decode steps (at most one token per sequence slot), whose query rows the Mosaic kernel
-# reads from q itself (`Config.queries_in_place`).
+# reads from q itself (`Config.queries_in_place`), with whether its output goes through
+# XLA's gather (KV splits) or straight into out, a box of 8 rows at a time.
 IN_PLACE_CASES = {
     # G = 4 in boxes of 8 rows: the second KV head's rows start mid-box, at row 4; a long
     # context, so the KV splits and their merge run too.
-    "decode_gqa4_split": Case(seqs=((1, 5), (1, 1100), (1, 3), (1, 20), (1, 16)), hq=8,
-                              hkv=2, dtype="bfloat16", pad_tokens=1),
+    "decode_gqa4_split": (Case(seqs=((1, 5), (1, 1100), (1, 3), (1, 20), (1, 16)), hq=8,
+                               hkv=2, dtype="bfloat16", pad_tokens=1), "gather"),
     # G = 8 (a box per KV head); a sequence of three tokens (an entry each, causal between
     # them); window, soft cap and sinks.
-    "decode_gqa8_three_tokens": Case(seqs=((3, 20), (1, 7), (1, 33)), hq=16, hkv=2,
-                                     dtype="bfloat16", pad_seqs=3, pad_tokens=1,
-                                     sliding_window=9, soft_cap=2.0, q_scale=4.0, sinks=True),
+    "decode_gqa8_three_tokens": (Case(seqs=((3, 20), (1, 7), (1, 33)), hq=16, hkv=2,
+                                      dtype="bfloat16", pad_seqs=3, pad_tokens=1,
+                                      sliding_window=9, soft_cap=2.0, q_scale=4.0,
+                                      sinks=True), "boxes"),
+    # G = 4, no splits: two KV heads fill a box, the second adding its rows to the
+    # first's; padding tokens store zero boxes.
+    "decode_gqa4_boxes": (Case(seqs=((1, 5), (1, 70), (1, 3), (1, 20), (1, 16)), hq=8,
+                               hkv=2, dtype="bfloat16", pad_seqs=2, pad_tokens=2), "boxes"),
+    # G = 2: four KV heads a box, with sinks.
+    "decode_gqa2_boxes": (Case(seqs=((1, 9), (1, 33), (1, 64)), hq=8, hkv=4,
+                               dtype="bfloat16", pad_seqs=2, pad_tokens=1, sinks=True),
+                          "boxes"),
 }
 
 
@@ -248,17 +260,42 @@ IN_PLACE_CASES = {
 @pytest.mark.parametrize("name", list(IN_PLACE_CASES))
 def test_mosaic_queries_in_place(name, platform, monkeypatch):
     """A decode step's query rows read straight from q (a KV head's G rows at row
-    (h G) % 8 of an 8-row box), no query tiles: against the oracle."""
-    calls = []
-    rows_in_place = mosaic._query_rows_in_place
-    monkeypatch.setattr(mosaic, "_query_rows_in_place",
-                        lambda *a: calls.append(a) or rows_in_place(*a))
+    (h G) % 8 of an 8-row box), no query tiles: against the oracle, and padding tokens'
+    rows 0 (interpret mode fills outputs with NaN first, so an unwritten row fails)."""
+    case, path = IN_PLACE_CASES[name]
+    calls = {"tiles": 0, "gather": 0}
+    for fn, key in (("_tile_queries", "tiles"), ("_gather_rows", "gather")):
+        orig = getattr(mosaic, fn)
+        monkeypatch.setattr(mosaic, fn, lambda *a, _o=orig, _k=key: (
+            calls.__setitem__(_k, calls[_k] + 1), _o(*a))[1])
     mosaic.attend_pages_mgpu.clear_cache()
     try:
-        check_against_oracle(IN_PLACE_CASES[name], "mosaic_gpu", platform)
+        out, b = check_against_oracle(case, "mosaic_gpu", platform)
     finally:
         mosaic.attend_pages_mgpu.clear_cache()
-    assert calls, "the step took the query tiles"
+    assert calls["tiles"] == 0, "the step took the query tiles"
+    assert calls["gather"] == (path == "gather"), calls
+    np.testing.assert_array_equal(out[b["live_tokens"]:], 0)
+
+
+def test_mosaic_box_schedule_keeps_a_box_on_one_cta():
+    """`_schedule` with box_heads: a box's KV heads are consecutive items of one CTA's list,
+    in head order, and every token's items are live (padding tokens store zeros)."""
+    hkv, heads = 8, 2
+    tokens = np.array([1] * 37 + [0] * 3)  # 37 live decode tokens, 3 padding
+    kv_len = np.random.default_rng(1).integers(1, 900, tokens.size)
+    work = np.zeros((tokens.size, 8), np.int32)
+    work[:, 2], work[:, 3], work[:, 4] = tokens, kv_len - 1, kv_len
+    items, counts = mosaic._schedule(jnp.asarray(work), hkv, 1, 13, 64, box_heads=heads)
+    items, counts = np.asarray(items), np.asarray(counts)
+    assert counts.sum() == tokens.size * hkv
+    seen = []
+    for row, n in zip(items, counts, strict=True):
+        assert (row[n:] == -1).all() and (row[:n] >= 0).all()
+        pairs = row[:n].reshape(-1, heads)
+        assert (pairs[:, 0] % heads == 0).all() and (np.diff(pairs, axis=1) == 1).all()
+        seen += row[:n].tolist()
+    assert sorted(seen) == list(range(tokens.size * hkv))
 
 
 def test_mosaic_queries_in_place_only_where_the_step_allows():
