@@ -106,8 +106,9 @@ class Config:
     # One token an entry, its query rows loaded straight from q viewed as
     # [T * Hq / R, R, D] (R = tile_rows): a KV head's G rows of a token lie in one box, at
     # row (h G) % R, beside other heads' rows, which compute in their own rows unread.
-    # No query scatter then. On wherever the step allows it (`queries_in_place_reason`),
-    # unless the caller passes a config.
+    # No query scatter then, and without KV splits no output gather: the outputs go back
+    # into the same boxes of out (`_box_heads`). On wherever the step allows it
+    # (`queries_in_place_reason`), unless the caller passes a config.
     queries_in_place: bool = False
 
 
@@ -874,10 +875,11 @@ def attend_pages_mgpu(
     bk = cfg.block_kv  # the fit may halve it
     page_indices = jnp.clip(md.page_indices, 0, num_pages - 1)
 
+    box_heads = _box_heads(cfg, G)
     if cfg.queries_in_place:  # one token an entry, its rows read from q itself
         num_entries = T
         work = _work_list(md, num_entries, 1)
-        rows = None if _box_heads(cfg, G) else _query_rows_in_place(md, T, Hkv, G, cfg)
+        rows = None if box_heads else _query_rows_in_place(md, T, Hkv, G, cfg)
         q_tiles = q.reshape(T * Hq // cfg.tile_rows, cfg.tile_rows, D)
     else:
         tokens_per_block = cfg.compute_wgs * (cfg.tile_rows // G)
@@ -887,7 +889,6 @@ def attend_pages_mgpu(
         q_tiles = _tile_queries(q, rows, num_entries, cfg, compute_dtype)
 
     split = cfg.num_splits > 1
-    box_heads = _box_heads(cfg, G)
     out_dtype = jnp.float32 if split else q.dtype
     rows_per_entry = cfg.compute_wgs * cfg.tile_rows
     if box_heads:  # out itself, in boxes of R rows
