@@ -263,18 +263,25 @@ def test_mosaic_queries_in_place(name, platform, monkeypatch):
     (h G) % 8 of an 8-row box), no query tiles: against the oracle, and padding tokens'
     rows 0 (interpret mode fills outputs with NaN first, so an unwritten row fails)."""
     case, path = IN_PLACE_CASES[name]
-    calls = {"tiles": 0, "gather": 0}
-    for fn, key in (("_tile_queries", "tiles"), ("_gather_rows", "gather")):
-        orig = getattr(mosaic, fn)
-        monkeypatch.setattr(mosaic, fn, lambda *a, _o=orig, _k=key: (
-            calls.__setitem__(_k, calls[_k] + 1), _o(*a))[1])
+    calls = {"_tile_queries": 0, "_gather_rows": 0}
+
+    def counted(fn_name):
+        fn = getattr(mosaic, fn_name)
+
+        def call(*args):
+            calls[fn_name] += 1
+            return fn(*args)
+        return call
+
+    for fn_name in calls:
+        monkeypatch.setattr(mosaic, fn_name, counted(fn_name))
     mosaic.attend_pages_mgpu.clear_cache()
     try:
         out, b = check_against_oracle(case, "mosaic_gpu", platform)
     finally:
         mosaic.attend_pages_mgpu.clear_cache()
-    assert calls["tiles"] == 0, "the step took the query tiles"
-    assert calls["gather"] == (path == "gather"), calls
+    assert calls["_tile_queries"] == 0, "the step took the query tiles"
+    assert calls["_gather_rows"] == (path == "gather"), calls
     np.testing.assert_array_equal(out[b["live_tokens"]:], 0)
 
 
