@@ -495,9 +495,8 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
         def store_box(out, h, entry):
             """An item's output [ROWS, D] f32 (`box_heads`): its G rows into the box of out
             [T Hq / R, R, D] it shares with the box's other KV heads, which come just before
-            it on this CTA and left their rows in o_smem; the box's last head stores it."""
-            # The previous box's store must have read o_smem.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            it on this CTA and left their rows in o_smem; the box's last head stores it. The
+            caller has waited for the previous box's store to read o_smem."""
             out = out.astype(o_smem.dtype)
             if box_heads > 1:
                 first = lax.rem(h, jnp.int32(box_heads)) * group  # this head's first row
@@ -689,6 +688,7 @@ def _attention_kernel(item_rows_ref, counts_ref, page_indices_ref, q_ref, k_page
                 lax.fori_loop(0, steps, pass_block, t0)
                 next_q(j)
                 if box_heads:  # a padding token (`_schedule`): its rows of out are 0
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     store_box(plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32),
                                                 plgpu.Layout.WGMMA), h, entry)
 
