@@ -347,6 +347,11 @@ def test_concurrent_sharers_and_preemption_give_the_same_outputs(converted):
     llm = LLM(converted, kv_cache_bytes=_pool_bytes(converted, 10), max_num_seqs=8,
               max_num_batched_tokens=48)
     assert llm.runner.num_pages == 10
+    # One sharer first, so that the shared pages are cached when the load arrives (a draw
+    # whose sharers were all admitted before the first had computed its prefix, or lost
+    # it to preemption, had no hits); they are freed last, so evicted last.
+    assert llm.generate([prompts[1]], params[1])[0].token_ids == want[1]
+    assert llm.engine.stats().prefix_hit_tokens == 0
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     stats = llm.engine.stats()
