@@ -151,14 +151,14 @@ SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit
 
 
 def queries_in_place_reason(cfg: Config, num_tokens: int, num_seqs: int, num_q_heads: int,
-                            group: int, fp8: bool) -> str | None:
+                            group: int) -> str | None:
     """Why `cfg` cannot load its queries straight from q for this step (None if it can).
 
     One consumer warpgroup and at most one token a sequence slot on average (each token
     becomes an entry of its own, so a sequence of k tokens reads its pages k times); the
     tile of R = tile_rows rows must hold whole KV heads (G divides R) and never cross a
-    token (R divides Hq); pages in q's dtype (fp8 pages need the queries in f16, which the
-    scatter converts)."""
+    token (R divides Hq). On fp8 pages q is read in f16: its conversion fuses into the XLA
+    op that makes q."""
     rows = cfg.tile_rows
     if cfg.compute_wgs != 1:
         return f"{cfg.compute_wgs} consumer warpgroups (one needed)"
@@ -166,8 +166,6 @@ def queries_in_place_reason(cfg: Config, num_tokens: int, num_seqs: int, num_q_h
         return f"{num_tokens} tokens over {num_seqs} sequence slots (at most one each)"
     if rows % group or num_q_heads % rows:
         return f"tile_rows {rows}: must be a multiple of G {group} and divide Hq {num_q_heads}"
-    if fp8:
-        return "fp8 pages (the queries go to f16 through the scatter)"
     return None
 
 
@@ -866,7 +864,7 @@ def attend_pages_mgpu(
         raise ValueError(f"mosaic attention: block_kv {bk} must be a multiple of 64 and of "
                          f"page_size {page_size}")
 
-    reason = queries_in_place_reason(cfg, T, S, Hq, G, fp8)
+    reason = queries_in_place_reason(cfg, T, S, Hq, G)
     if config is None:
         cfg = dataclasses.replace(cfg, queries_in_place=reason is None)
     elif cfg.queries_in_place and reason is not None:
@@ -880,7 +878,7 @@ def attend_pages_mgpu(
         num_entries = T
         work = _work_list(md, num_entries, 1)
         rows = None if box_heads else _query_rows_in_place(md, T, Hkv, G, cfg)
-        q_tiles = q.reshape(T * Hq // cfg.tile_rows, cfg.tile_rows, D)
+        q_tiles = q.astype(compute_dtype).reshape(T * Hq // cfg.tile_rows, cfg.tile_rows, D)
     else:
         tokens_per_block = cfg.compute_wgs * (cfg.tile_rows // G)
         num_entries = _max_entries(T, S, tokens_per_block)

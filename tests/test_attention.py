@@ -253,6 +253,13 @@ IN_PLACE_CASES = {
     "decode_gqa2_boxes": (Case(seqs=((1, 9), (1, 33), (1, 64)), hq=8, hkv=4,
                                dtype="bfloat16", pad_seqs=2, pad_tokens=1, sinks=True),
                           "boxes"),
+    # fp8 pages (q read in f16, the upcast warpgroup), scaled, in boxes and with splits.
+    "decode_gqa4_fp8_boxes": (Case(seqs=((1, 9), (1, 150), (1, 33)), hq=8, hkv=2,
+                                   dtype="bfloat16", kv_dtype="float8_e4m3fn", pad_seqs=2,
+                                   pad_tokens=1, k_scale=2.0**-6, v_scale=2.0**-5), "boxes"),
+    "decode_gqa4_fp8_split": (Case(seqs=((1, 9), (1, 1100), (1, 33)), hq=8, hkv=2,
+                                   dtype="bfloat16", kv_dtype="float8_e4m3fn", pad_seqs=2,
+                                   pad_tokens=1, k_scale=2.0**-6, v_scale=2.0**-5), "gather"),
 }
 
 
@@ -307,15 +314,13 @@ def test_mosaic_box_schedule_keeps_a_box_on_one_cta():
 
 def test_mosaic_queries_in_place_only_where_the_step_allows():
     """One consumer, at most a token a sequence slot, boxes holding whole KV heads within a
-    token, pages in q's dtype; anything else keeps the tiles (and a config asking for it
-    says why)."""
+    token; anything else keeps the tiles (and a config asking for it says why)."""
     decode = mosaic.choose_config(256, 256, 8, 4096, 128, 4)
-    assert mosaic.queries_in_place_reason(decode, 256, 256, 32, 4, False) is None
-    assert "tokens over" in mosaic.queries_in_place_reason(decode, 257, 256, 32, 4, False)
-    assert "fp8" in mosaic.queries_in_place_reason(decode, 256, 256, 32, 4, True)
-    assert "tile_rows" in mosaic.queries_in_place_reason(decode, 4, 4, 28, 7, False)  # G = 7
+    assert mosaic.queries_in_place_reason(decode, 256, 256, 32, 4) is None
+    assert "tokens over" in mosaic.queries_in_place_reason(decode, 257, 256, 32, 4)
+    assert "tile_rows" in mosaic.queries_in_place_reason(decode, 4, 4, 28, 7)  # G = 7
     assert "warpgroups" in mosaic.queries_in_place_reason(
-        mosaic.choose_config(2048, 256, 8, 4096, 128, 4), 256, 256, 32, 4, False)
+        mosaic.choose_config(2048, 256, 8, 4096, 128, 4), 256, 256, 32, 4)
     case = CASES["mixed"]  # 25 tokens over 7 sequence slots
     b = build(dataclasses.replace(case, dtype="bfloat16"))
     md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()})
