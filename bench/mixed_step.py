@@ -8,6 +8,7 @@ a step, the step's floor (its FLOPs at the matmul rate or its bytes at the copy 
 now) and the costliest kernels.
 
     python bench/mixed_step.py --preset llama3-8b --batch 248 --ctx 384 --prompt-len 256
+        [--quantize fp8] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ def main():
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--phases", action="store_true",
                     help="also time the host's phases of a step (bench/host_overhead.py's)")
+    ap.add_argument("--quantize", default=None,
+                    help="the projections quantized to this format (int8, fp8, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     config = preset_config(args.preset)
     ceil = measure_ceilings()  # before the engine plans the device's memory
-    llm = LLM(random_model(config, jnp.bfloat16))  # the defaults: KV planned, 2048 tokens
+    # the defaults: KV planned, 2048 tokens
+    llm = LLM(random_model(config, jnp.bfloat16, quantize=args.quantize),
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     budget = engine.scheduler.max_num_batched_tokens
     rng = np.random.default_rng(0)
@@ -88,7 +94,8 @@ def main():
     flops = (2 * active_weight_count(llm.model) * n
              + 4 * c.num_heads * c.head_dim * c.num_layers
              * (args.batch * args.ctx + prefill * args.prompt_len / 2))
-    kv = (args.batch * args.ctx + prefill) * c.kv_bytes_per_token(2)
+    kv_itemsize = 1 if args.kv_cache_dtype == "fp8" else 2
+    kv = (args.batch * args.ctx + prefill) * c.kv_bytes_per_token(kv_itemsize)
     bytes_ = step_reads(llm.model).streamed_bytes(args.batch) + kv
     floor = max(flops / ceil.matmul_flops_per_s, bytes_ / ceil.copy_bytes_per_s)
     result = {"preset": args.preset, "batch": args.batch, "ctx": args.ctx,

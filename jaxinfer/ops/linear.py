@@ -123,13 +123,24 @@ def dot_nt(x, w, dtype=jnp.float32):
 def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """The spec of a quantized product: x [M, K] @ W^T -> [M, N] in x.dtype (f32
     accumulation). W8A8 (`w.activations == "fp8"`) quantizes x per token to e4m3 and runs
-    an fp8 dot; per-channel weights are a dot of the values cast to x.dtype, scaled after
-    (XLA fuses the cast into the dot); others are dequantised to x.dtype first."""
+    an fp8 dot; per-channel weights are a dot of the values cast to x.dtype (XLA fuses the
+    cast into the dot); both products are rounded to x.dtype, then scaled. Others are
+    dequantised to x.dtype first."""
+    # The per-channel products come out of the dot in x.dtype and are scaled after: a
+    # float32 product of a many-row step would be written and read back at twice the bytes
+    # (at 256 decode rows, gate_up's float32 product is a quarter of its fp8 weight's
+    # bytes), while the scaling fuses into whatever consumes y.
     if w.activations == "fp8":
+        # x is made on its own before it is quantized: otherwise XLA fuses its producer
+        # (the SwiGLU of the gate_up product, with that product's scales and the folded
+        # norm) into both the per-token max and the quantization, and runs them as two
+        # recomputing passes at a third of the copy rate (bench/NOTES.md, Linear and
+        # quantized matmul: fp8 activations made before their quantization).
+        x = jax.lax.optimization_barrier(x)
         xq, x_scales = quantize_activations_fp8(x)
-        y = dot_nt(xq, w.values) * x_scales * w.scales[0]
+        y = dot_nt(xq, w.values, x.dtype).astype(jnp.float32) * x_scales * w.scales[0]
     elif w.group_size == w.shape[1] and w.offsets is None:
-        y = dot_nt(x, w.values.astype(x.dtype)) * w.scales[0]
+        y = dot_nt(x, w.values.astype(x.dtype), x.dtype).astype(jnp.float32) * w.scales[0]
     else:
         y = dot_nt(x, dequantize(w, x.dtype))
     return y.astype(x.dtype)
