@@ -370,8 +370,11 @@ def chat(system, model: ModelChoice, params: SamplingParams):
               help="Quantize the q/k/v/o and gate/up/down projections: int8 | int4 (one scale "
                    "per output channel) | int8:gN | int4:gN (N = 32, 64 or 128 inputs per "
                    "scale) | add :asym for zero points (e.g. int4:g128:asym) | fp8 (W8A8) | "
-                   "fp8:weight-only | none (all float). Default: HF weights stay float; a "
-                   "GGUF keeps its Q4_0 / Q4_1 / Q8_0 projections as they are.")
+                   "fp8:weight-only | fp8:gN:weight-only | mxfp4 (e2m1, a power-of-two "
+                   "scale per 32) | nvfp4 "
+                   "(e2m1, an e4m3 scale per 16 times one per tensor) | none (all float). "
+                   "Default: HF float weights stay float; a GGUF's Q4_0 / Q4_1 / Q8_0 "
+                   "projections and an HF checkpoint's NVFP4 / FP8 ones stay as they are.")
 def convert(src, out, dtype, quantize):
     """Convert an HF model directory or a .gguf file to a jaxinfer (Orbax) checkpoint."""
     path = convert_checkpoint(src, out, dtype=dtype, quantize=quantize)

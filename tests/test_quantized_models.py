@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.benchmarks.accuracy import agreement, perplexity
 from jaxinfer.cli.main import cli
 from jaxinfer.loading.checkpoint import convert
 from jaxinfer.loading.gguf_source import GGUFSource, decode_blocks
@@ -45,15 +46,6 @@ def _disk_bytes(path: Path) -> int:
 
 def _config(ckpt: Path) -> dict:
     return json.loads((ckpt / "model_config.json").read_text())
-
-
-def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
-    """exp(mean NLL) of ids[1:] under the logits of each previous position."""
-    x = logits[:-1].astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    logz = (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[:, 0]
-    nll = logz - x[np.arange(len(ids) - 1), ids[1:]]
-    return float(np.exp(nll.mean()))
 
 
 # --- GGUF Q4_0 / Q4_1 / Q8_0 blocks -> QuantizedWeight ------------------------------------------
@@ -107,7 +99,7 @@ def test_smollm2_gguf_projections_import_as_int4_g32_asym(smollm2_gguf):
 # The tiny random models' logits span about +-1.3; measured maxima over llama / qwen2:
 # int8 0.007, int4:g32 0.09, fp8 (W8A8) 0.034.
 TINY_FORMATS = {"int8": ("int8", None, 0.02), "int4:g32": ("int4", 32, 0.2),
-                "fp8": ("fp8", None, 0.1)}
+                "fp8": ("fp8", None, 0.1), "mxfp4": ("fp4", 32, 0.3), "nvfp4": ("fp4", 16, 0.3)}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -201,7 +193,7 @@ def test_smollm2_quantized_logits_and_perplexity(smollm2_gguf, tmp_path, monkeyp
         assert llm.model.layers[0].mlp.down_proj.quantized == (name != "bf16")
         ids = ids or llm.tokenizer.encode(PERPLEXITY_TEXT)
         logits = llm.logits([ids])[0]
-        results[name] = (logits, _perplexity(logits, ids), _disk_bytes(out))
+        results[name] = (logits, perplexity(logits, ids), _disk_bytes(out))
         del llm
     ref, ref_ppl, ref_bytes = results["bf16"]
     print(f"\nSmolLM2-135M perplexity over {len(ids)} tokens: bf16 {ref_ppl:.3f} "
@@ -209,14 +201,14 @@ def test_smollm2_quantized_logits_and_perplexity(smollm2_gguf, tmp_path, monkeyp
     for name, (logits, ppl, size) in results.items():
         if name == "bf16":
             continue
-        top1 = float(np.mean(logits.argmax(-1) == ref.argmax(-1)))
-        diff = np.abs(logits - ref)
-        print(f"  {name:9s} {ppl:8.3f} ({ppl / ref_ppl:.3f}x)  top-1 vs bf16 {top1:.3f}  "
-              f"max |dlogit| {diff.max():.3f}  mean {diff.mean():.3f}  ({size / 1e6:.0f} MB)")
+        near = agreement(logits, ref)
+        print(f"  {name:9s} {ppl:8.3f} ({ppl / ref_ppl:.3f}x)  top-1 vs bf16 {near['top1']:.3f}  "
+              f"max |dlogit| {near['max_abs_diff']:.3f}  mean {near['mean_abs_diff']:.3f}  "
+              f"({size / 1e6:.0f} MB)")
         max_ratio, min_top1, max_diff = SMOLLM2_BOUNDS[name]
         assert ppl <= max_ratio * ref_ppl, name
-        assert top1 >= min_top1, name
-        assert diff.max() <= max_diff, name
+        assert near["top1"] >= min_top1, name
+        assert near["max_abs_diff"] <= max_diff, name
     assert ref_ppl < BF16_MAX_PERPLEXITY
     assert results["int4:g64"][2] < results["int8"][2] < ref_bytes
 

@@ -140,7 +140,8 @@ def _checked_tensors(source, config: ModelConfig, dtype, want: dict | None = Non
 
     Float tensors are cast to dtype; with `fmt`, the decoder-block projections are
     quantized to it instead. A GGUF's Q4_0 / Q4_1 / Q8_0 projections and an HF
-    checkpoint's MXFP4 experts are kept as they are if `native`. A quantized weight is
+    checkpoint's quantized tensors (NVFP4 / FP8 projections, MXFP4 experts) are kept as they
+    are if `native`. A quantized weight is
     yielded as its parts: `key` (values), `key_scale` and, if asymmetric, `key_offset`.
     """
     want = want or expected_shapes(config)
@@ -224,9 +225,10 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16",
 
     `quantize` is a `jaxinfer.ops.quant.parse_format` spelling ("int8", "int4:g128",
     "fp8", ...) for the decoder-block projections, or "none". None (the default):
-    HF weights stay float, a GGUF keeps its Q4_0 / Q4_1 / Q8_0 projections as they
-    are (other tensor types are dequantized). "none" dequantizes everything; a
-    format dequantizes a GGUF's tensors and quantizes them to it. Everything that
+    HF float weights stay float, a GGUF keeps its Q4_0 / Q4_1 / Q8_0 projections as
+    they are (other tensor types are dequantized), and so does an HF checkpoint its
+    quantized ones (`jaxinfer.loading.hf_quantized`). "none" dequantizes everything; a
+    format dequantizes a source's tensors and quantizes them to it. Everything that
     is not quantized is cast to `dtype`.
     """
     from tqdm import tqdm

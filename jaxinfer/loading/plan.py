@@ -46,6 +46,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.loading import checkpoint
 from jaxinfer.loading.checkpoint import DTYPES, OFFSET, SCALE
 from jaxinfer.loading.gguf_source import GGUFSource, gguf_key
+from jaxinfer.loading.hf_source import expert_stack_key, hf_key
 from jaxinfer.loading.presets import PRESETS
 from jaxinfer.models.inference_form import checkpoint_layout
 from jaxinfer.models.layers import is_quantizable
@@ -508,7 +509,8 @@ def model_tensors(model: str, dtype: str | None = None, quantization: str | None
     A converted checkpoint: its stored shapes and dtypes (Orbax metadata), floats cast to
     `dtype` if given, as `load_model` does. An HF directory or .gguf file: floats at `dtype`
     (default bfloat16) and its own quantized tensors as they load (a GGUF's Q4_0 / Q4_1 /
-    Q8_0 projections, gpt-oss MXFP4 experts). A preset: floats at `dtype`. `quantization`
+    Q8_0 projections, gpt-oss MXFP4 experts, the NVFP4 / FP8 projections of a quantized HF
+    checkpoint). A preset: floats at `dtype`. `quantization`
     (not for converted checkpoints) plans the projections quantized as `jaxinfer convert
     --quantize` would store them.
     """
@@ -550,8 +552,6 @@ def _converted_tensors(path: Path, dtype: str | None):
 
 def _native_formats(source) -> dict:
     """key -> QuantFormat of the tensors a source loads quantized (names only; no data read)."""
-    import re
-
     out = {}
     if isinstance(source, GGUFSource):
         formats = {"Q4_0": "int4:g32", "Q4_1": "int4:g32:asym", "Q8_0": "int8:g32"}
@@ -562,6 +562,8 @@ def _native_formats(source) -> dict:
         return out
 
     mxfp4 = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_blocks")
+    scheme = source.scheme  # projections stored quantized: those with the scheme's scales
+    scaled = scheme and re.compile(r"(model\.layers\.\d+\..+\.)" + scheme.scales[0])
     for file in source.files:
         try:
             with safe_open(file, framework="numpy") as f:
@@ -571,4 +573,8 @@ def _native_formats(source) -> dict:
         for name in names:
             if m := mxfp4.fullmatch(name):
                 out[f"layers.{m[1]}.mlp.experts.{m[2]}.weight"] = parse_format("mxfp4")
+            elif scaled and (m := scaled.fullmatch(name)):
+                key = hf_key(m[1] + "weight") or expert_stack_key(m[1] + "weight")
+                if key:
+                    out[key] = parse_format(scheme.format)
     return out

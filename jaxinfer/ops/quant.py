@@ -5,7 +5,8 @@ stored K-major like the float weights (8-bit tensor-core operands cannot be
 transposed on the fly):
 
   values   [N, K]                 int8, int4 (two per byte in device memory), float8_e4m3fn
-                                  or float4_e2m1fn (MXFP4: gpt-oss experts, group 32)
+                                  or float4_e2m1fn (MXFP4: group 32, power-of-two scales, as
+                                  gpt-oss's experts ship; NVFP4: group 16)
   scales   [K // group_size, N]   float32; per-channel weights have one row (group_size == K)
   offsets  None, or like scales   float32; asymmetric formats (GGUF Q4_1, AWQ zero points)
 
@@ -24,7 +25,13 @@ per token to e4m3 on the fly (W8A8); otherwise weights are dequantized against
 bf16/f32 activations (weight-only).
 
 Formats are named by strings, as on the command line: "int8", "int4" (per
-channel), "int4:g128", "int8:g64", "int4:g128:asym", "fp8" (W8A8), "fp8:weight-only".
+channel), "int4:g128", "int8:g64", "int4:g128:asym", "fp8" (W8A8), "fp8:weight-only",
+"mxfp4", "nvfp4".
+
+The two fp4 formats differ in their scales, kept here as their float32 values: MXFP4's
+are powers of two (e8m0) per 32 values; NVFP4's are an e4m3 number per 16 values times
+one float32 scale per tensor (per expert in a stack), so a scale is e4m3(b) * t. Hopper
+has no fp4 tensor cores: both are weight formats, upcast before the product.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ VALUE_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": FP8_DTYPE,
                 "fp4": jnp.float4_e2m1fn}
 FP4_MAX = 6.0
 MXFP4_GROUP = 32  # OCP microscaling: 32 fp4 values share one power-of-two (e8m0) scale
+NVFP4_GROUP = 16  # NVIDIA's: 16 fp4 values share an e4m3 scale (times a per-tensor one)
+FP4_FORMATS = {MXFP4_GROUP: "mxfp4", NVFP4_GROUP: "nvfp4"}  # fp4's group size -> its name
 
 
 @jax.tree_util.register_dataclass
@@ -92,14 +101,14 @@ class QuantizedWeight:
 class QuantFormat:
     """What `quantize` produces; `parse_format` reads the command-line spelling."""
 
-    kind: str  # "int8" | "int4" | "fp8" | "fp4" (MXFP4: always group 32, power-of-two scales)
+    kind: str  # "int8" | "int4" | "fp8" | "fp4" (group 32: MXFP4; group 16: NVFP4)
     group_size: int | None = None  # None: one scale per output channel
     asymmetric: bool = False  # offsets (zero points) per group / channel
     activations: str | None = None  # "fp8": W8A8
 
     def __str__(self):
         if self.kind == "fp4":
-            return "mxfp4"
+            return FP4_FORMATS[self.group_size]
         parts = [self.kind]
         if self.group_size:
             parts.append(f"g{self.group_size}")
@@ -111,17 +120,19 @@ class QuantFormat:
 
 
 def parse_format(spec: str) -> QuantFormat:
-    """'int8' | 'int4' | 'int4:g128' | 'int8:g32:asym' | 'fp8' | 'fp8:weight-only' | 'mxfp4'."""
-    if spec == "mxfp4":
-        return QuantFormat("fp4", MXFP4_GROUP)
+    """'int8' | 'int4' | 'int4:g128' | 'int8:g32:asym' | 'fp8' | 'fp8:weight-only' |
+    'fp8:g128:weight-only' (DeepSeek's block-FP8 weights) | 'mxfp4' | 'nvfp4'."""
+    fp4_groups = {name: g for g, name in FP4_FORMATS.items()}
+    if spec in fp4_groups:
+        return QuantFormat("fp4", fp4_groups[spec])
     kind, *options = spec.split(":")
     if kind not in ("int8", "int4", "fp8"):
         raise JaxinferError(f"--quantize {spec!r}: unknown format {kind!r} "
-                            "(expected int8, int4, fp8 or mxfp4, e.g. int4:g128)")
+                            "(expected int8, int4, fp8, mxfp4 or nvfp4, e.g. int4:g128)")
     group_size, asymmetric = None, False
     activations = "fp8" if kind == "fp8" else None
     for opt in options:
-        if opt.startswith("g") and opt[1:].isdigit() and kind != "fp8":
+        if opt.startswith("g") and opt[1:].isdigit():
             group_size = int(opt[1:])
             if group_size not in GROUP_SIZES:
                 raise JaxinferError(f"--quantize {spec!r}: group size {group_size} is not one "
@@ -132,6 +143,9 @@ def parse_format(spec: str) -> QuantFormat:
             activations = None
         else:
             raise JaxinferError(f"--quantize {spec!r}: unknown option {opt!r} for {kind}")
+    if kind == "fp8" and group_size and activations:
+        raise JaxinferError(f"--quantize {spec!r}: fp8 W8A8 takes one scale per output "
+                            "channel (groups of fp8 weights: add :weight-only)")
     return QuantFormat(kind, group_size, asymmetric, activations)
 
 
@@ -153,10 +167,8 @@ def quantize(w: jax.Array | np.ndarray, fmt: QuantFormat | str) -> QuantizedWeig
                             f"in_features {k} is not a multiple of it")
     groups = w.reshape(n, k // g, g)
     if fmt.kind == "fp4":
-        # The smallest power of two that brings the group's absmax within e2m1's 6.0.
-        absmax = jnp.max(jnp.abs(groups), axis=-1)
-        scales = jnp.where(absmax > 0, jnp.exp2(jnp.ceil(jnp.log2(absmax / FP4_MAX))), 1.0)
-        values = (groups / scales[..., None]).astype(jnp.float4_e2m1fn)
+        scales = _fp4_scales(groups)
+        values = _fp4_values(groups, scales)
         return QuantizedWeight(values.reshape(n, k), scales.T, None, None)
     if fmt.kind == "fp8":
         absmax = jnp.max(jnp.abs(groups), axis=-1)
@@ -178,6 +190,73 @@ def quantize(w: jax.Array | np.ndarray, fmt: QuantFormat | str) -> QuantizedWeig
         offsets = None
     values = values.astype(VALUE_DTYPES[fmt.kind]).reshape(n, k)
     return QuantizedWeight(values, scales.T, offsets, None)
+
+
+def _fp4_values(groups: jax.Array, scales: jax.Array) -> jax.Array:
+    """groups [..., G] / scales [...] rounded to e2m1, clipped to its +-6."""
+    return jnp.clip(groups / scales[..., None], -FP4_MAX, FP4_MAX).astype(jnp.float4_e2m1fn)
+
+
+# fp4 scales tried below the smallest one that clips nothing: down to this fraction of it,
+# at which a clipped value's error (absmax - 6 s <= 1.5 s) stays within a quarter of its
+# stored 6 s, `error_bound`'s allowance for every e2m1 value.
+FP4_MIN_SCALE = 0.8
+NVFP4_SCALE_CANDIDATES = 3  # e4m3 steps below it (MXFP4: one power of two)
+
+
+def _fp4_scales(groups: jax.Array) -> jax.Array:
+    """fp4 scales [N, K // g] float32 for groups [N, K // g, g] (g = 32: MXFP4, 16: NVFP4).
+
+    Each group's scale is the one of least squared error among the smallest scale of the
+    format with absmax / scale <= 6 (no clipping) and the few below it, down to
+    FP4_MIN_SCALE of absmax / 6, which clip the group's largest values but put the rest on
+    a finer grid. MXFP4's scales are powers of two (e8m0). NVFP4's are e4m3(b) * t: the
+    tensor's t is the power of two that brings its largest group's b into (224, 448]
+    (e4m3's top binade; a power of two keeps b * t exact in float32, so b and t can be read
+    back out of the product); b is never 0 (e4m3's subnormal step 2^-9 at least). All-zero
+    groups get 1 (MXFP4) or t (NVFP4).
+    """
+    absmax = jnp.max(jnp.abs(groups), axis=-1)
+    need = absmax / FP4_MAX  # the smallest scale that clips nothing
+    if groups.shape[-1] == NVFP4_GROUP:
+        top = jnp.max(absmax)
+        t = jnp.where(top > 0, jnp.exp2(jnp.ceil(jnp.log2(top / (FP4_MAX * FP8_MAX)))), 1.0)
+        b = jnp.minimum(need / t, FP8_MAX)
+        near = b.astype(FP8_DTYPE).astype(jnp.float32)
+        scale = jnp.where(near >= b, near, near + _e4m3_step(near, up=True)) * t
+        zero_scale, tries = t, NVFP4_SCALE_CANDIDATES
+
+        def down(scale):
+            return (scale / t - _e4m3_step(scale / t, up=False)) * t
+    else:
+        scale = jnp.where(absmax > 0, jnp.exp2(jnp.ceil(jnp.log2(need))), 1.0)
+        zero_scale, tries = 1.0, 1
+
+        def down(scale):
+            return scale / 2
+
+    def squared_error(scale):
+        stored = _fp4_values(groups, scale).astype(jnp.float32) * scale[..., None]
+        return jnp.sum(jnp.square(stored - groups), axis=-1)
+
+    best, best_err = scale, squared_error(scale)
+    for _ in range(tries):
+        scale = down(scale)
+        err = squared_error(scale)
+        better = (scale >= FP4_MIN_SCALE * need) & (scale > 0) & (err < best_err)
+        best, best_err = jnp.where(better, scale, best), jnp.where(better, err, best_err)
+    return jnp.where(absmax > 0, best, zero_scale)
+
+
+def _e4m3_step(b: jax.Array, up: bool) -> jax.Array:
+    """The distance from an e4m3 number b >= 0 to its neighbour above (up) or below: 2^(e - 3)
+    in the binade [2^e, 2^(e + 1)), 2^-9 among the subnormals (below 2^-6); going down from
+    a power of two 2^e crosses into the binade below, a step of 2^(e - 4)."""
+    exponent = jnp.floor(jnp.log2(jnp.maximum(b, 2.0 ** -6)))
+    step = jnp.exp2(exponent - 3)
+    if not up:
+        step = jnp.where((b > 2.0 ** -6) & (b == jnp.exp2(exponent)), step / 2, step)
+    return step
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
