@@ -1,8 +1,9 @@
 """MoE expert grouped matmuls on the GPU: ours against XLA and jax's Mosaic GPU ragged dot.
 
-  python bench/grouped_matmul_kernels.py [--quick] [--models qwen3,mixtral]
+  python bench/grouped_matmul_kernels.py [--quick] [--models qwen3,mixtral,gpt-oss]
       [--proj gate_up,down] [--tokens 1,8,64,512,4096] [--draws N] [--iters N] [--sweep]
-      [--xla-max-seconds S] [--max-minutes T] [--quantize FMT] [--out FILE.md] [--cpu-smoke]
+      [--xla-max-seconds S] [--max-minutes T] [--quantize FMT] [--fp4-in-registers]
+      [--out FILE.md] [--cpu-smoke]
 
 y = x @ W[e]^T per row's expert e, x [tokens * top_k, hidden] bf16 sorted by expert,
 W [E, N, K] bf16 (`jaxinfer.ops.grouped_matmul`). Expert shapes:
@@ -10,11 +11,15 @@ W [E, N, K] bf16 (`jaxinfer.ops.grouped_matmul`). Expert shapes:
                  gate_up [128, 1536, 2048] (gate and up fused), down [128, 2048, 768]
   mixtral-8x7b   E=8, top-2, hidden 4096, intermediate 14336:
                  gate_up [8, 28672, 4096], down [8, 4096, 14336]
+  gpt-oss-20b    E=32, top-4, hidden 2880, intermediate 2880:
+                 gate_up [32, 5760, 2880], down [32, 2880, 2880]
 --quantize int8 (or int4, int8:g128, ...): the expert weights quantized (`jaxinfer.ops.quant`);
 the floor then counts their stored bytes (values and scales), the reference dequantises
 the stack and runs ragged_dot, and ragged_dot_mgpu (bf16 only) gets the dequantised bf16
 stack: the bf16 kernel one would run instead. Formats the kernel does not upcast itself
-(fp8, mxfp4, ...) it takes dequantised whole first. The log also times
+(fp8, mxfp4, ...) it takes dequantised whole first; with --fp4-in-registers, "ours" is
+the kernel streaming MXFP4 / NVFP4 as stored (`grouped_matmul_mgpu(...,
+fp4_in_registers=True)`, which the engine does not pick yet). The log also times
 `grouped_matmul_rows` where it is the default at decode (float rows up to
 `ROW_REDUCE_MAX_M`, rows of those formats up to min(E, `QUANT_ROWS_MAX_M`)), and at one
 token for int8 / int4 experts, for comparison.
@@ -80,6 +85,7 @@ from jaxinfer.ops.quant import dequantize, quantize
 MODELS = {  # name: (experts, top_k, hidden, expert intermediate)
     "qwen3": ("qwen3-30b-a3b", 128, 8, 2048, 768),
     "mixtral": ("mixtral-8x7b", 8, 2, 4096, 14336),
+    "gpt-oss": ("gpt-oss-20b", 32, 4, 2880, 2880),
     "smoke": ("cpu smoke", 8, 2, 256, 128),
 }
 PROJECTIONS = ("gate_up", "down")
@@ -131,7 +137,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="gate_up only, tokens in {1, 64, 4096}")
-    ap.add_argument("--models", help="comma list of: qwen3, mixtral (default both)")
+    ap.add_argument("--models", help="comma list of: qwen3, mixtral, gpt-oss "
+                                     "(default qwen3,mixtral)")
     ap.add_argument("--proj", help="comma list of: gate_up, down (default both)")
     ap.add_argument("--tokens", help="comma list of token counts (default 1,8,64,512,4096)")
     ap.add_argument("--draws", type=int, default=4, help="routings cycled per cell")
@@ -145,6 +152,8 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="a tiny shape, 1 and 8 tokens: a quick check that runs on the CPU")
     ap.add_argument("--quantize", help="expert weights in this format (int8, int4:g128, ...)")
+    ap.add_argument("--fp4-in-registers", action="store_true",
+                    help="ours: fp4 experts streamed as stored and upcast in registers")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
 
@@ -170,9 +179,14 @@ def main():
         header.append("not a GPU: host wall times; ours runs in Mosaic GPU interpret mode")
     print("\n".join(header), flush=True)
 
-    ours = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu"))
-    ours_aligned = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu",
-                                             groups_aligned=True))
+    if a.fp4_in_registers:  # the kernel itself: the registry does not ask for this path
+        ours = jax.jit(functools.partial(grouped_matmul_mgpu, fp4_in_registers=True))
+        ours_aligned = jax.jit(functools.partial(grouped_matmul_mgpu, fp4_in_registers=True,
+                                                 groups_aligned=True))
+    else:
+        ours = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu"))
+        ours_aligned = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu",
+                                                 groups_aligned=True))
     ref = jax.jit(functools.partial(grouped_matmul, implementation="reference"))
 
     def timed(label, fn, arg_sets) -> Cell:

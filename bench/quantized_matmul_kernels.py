@@ -2,6 +2,7 @@
 
   python bench/quantized_matmul_kernels.py [--quick] [--shapes square,llama] [--ms 1,16,64,...]
                                    [--formats int8,int4,...] [--iters N] [--max-minutes T]
+                                   [--force-kernel [--int4-words]]
                                    [--out FILE.md] [--json FILE] [--cpu-smoke]
 
 y = x @ W^T with x [M, K] bf16 and W [N, K] (out_features, in_features). One markdown
@@ -24,7 +25,10 @@ table per weight shape, one row per (M, format):
   ours        `linear(x, w)` as the engine dispatches it on Hopper: the Mosaic
               kernel for int8 / int4 (per channel or group 128) up to 16 tokens (32 when
               measured), above that the XLA reference (fused dequant); fp8 W8A8 and
-              weight-only run XLA's fp8 dot / fused dequant. Before timing, its
+              weight-only run XLA's fp8 dot / fused dequant. `--force-kernel`: the Mosaic
+              kernel wherever it takes the inputs (its fp4 path, which the engine does
+              not pick yet), "n/a" elsewhere; `--int4-words` (with it): int4 read as
+              16-bit words (`int4_words`), the kernel called directly. Before timing, its
               output is checked against the XLA reference on the same inputs
               (max |ours - ref| <= 2e-2 max |ref| weight-only, 1e-1 W8A8): "FAIL" if not.
   % floor     floor / time (for M <= 16 the floor is the bandwidth one).
@@ -62,7 +66,7 @@ from jaxinfer.benchmarks.harness import (
     short,
     timed_cell,
 )
-from jaxinfer.mosaic.quantized_matmul import unsupported_reason
+from jaxinfer.mosaic.quantized_matmul import quantized_matmul_mgpu, unsupported_reason
 from jaxinfer.ops.linear_registry import linear
 from jaxinfer.ops.quant import parse_format, quantize
 
@@ -75,7 +79,8 @@ SHAPES = {  # (name, N, K)
     "smoke": [("cpu smoke", 256, 256)],
 }
 MS = (1, 16, 64, 128, 1024, 4096)
-FORMATS = ("int8", "int4", "int8:g128", "int4:g128", "fp8", "fp8:weight-only")
+FORMATS = ("int8", "int4", "int8:g128", "int4:g128", "fp8", "fp8:weight-only", "mxfp4",
+           "nvfp4")
 
 
 # --- jax's stock Hopper int8 x bf16 kernel -----------------------------------------------------
@@ -201,6 +206,11 @@ def main():
     ap.add_argument("--ms", help="comma list of M (default 1,16,64,128,1024,4096)")
     ap.add_argument("--formats", help=f"comma list of {', '.join(FORMATS)} (default all)")
     ap.add_argument("--no-ours", action="store_true", help="skip the Mosaic GPU column")
+    ap.add_argument("--force-kernel", action="store_true",
+                    help="ours: the Mosaic kernel wherever it takes the inputs, even where "
+                         "the engine would not pick it (fp4)")
+    ap.add_argument("--int4-words", action="store_true",
+                    help="with --force-kernel: int4 read as 16-bit words (`int4_words`)")
     ap.add_argument("--no-stock", action="store_true", help="skip jax's stock kernel")
     ap.add_argument("--iters", type=int, help="timed calls per cell (default 10; smoke 3)")
     ap.add_argument("--max-minutes", type=float, default=7.0,
@@ -236,8 +246,10 @@ def main():
     # On the GPU: the engine's own dispatch (the Mosaic kernel where it applies, else its
     # XLA path); on the CPU the kernel itself, in interpret mode.
     gpu = jax.default_backend() == "gpu"
-    ours = jax.jit(functools.partial(linear,
-                                     implementation=None if gpu else "mosaic_gpu"))
+    ours = jax.jit(functools.partial(
+        linear, implementation=None if gpu and not a.force_kernel else "mosaic_gpu"))
+    if a.int4_words:  # the kernel itself (the registry does not ask for this form)
+        ours = jax.jit(functools.partial(quantized_matmul_mgpu, int4_words=True))
     bf16 = jax.jit(linear)
     quantize_on_device = jax.jit(quantize, static_argnums=1)
     tables, records = [], []
@@ -253,7 +265,7 @@ def main():
         tol = 1e-1 if w.activations == "fp8" else 2e-2  # W8A8 : weight-only
         try:
             why = unsupported_reason(x, w)
-            if why is not None and not gpu:
+            if why is not None and (not gpu or a.force_kernel):
                 print(f"    {label}: unsupported: {why}", flush=True)
                 return Cell(note=f"n/a ({short(why, 60)})")
             got, want = ours(x, w), ref(x, w)

@@ -95,6 +95,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxinfer.mosaic import nibble_words
 from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order, swiglu_halves
 from jaxinfer.ops.platform import mosaic_interpret_params
 from jaxinfer.ops.quant import QuantizedWeight, dequantize
@@ -164,13 +165,13 @@ def _pow2_at_least(v: float) -> int:
 
 
 def smem_bytes(cfg: Config, itemsize: int = 2, halves: int = 1, weight_bits: int | None = None,
-               grouped: bool = False, interpret: bool = False, piece: int = PIECE) -> int:
+               grouped: bool | int = False, interpret: bool = False, piece: int = PIECE) -> int:
     """Shared memory of a config; halves = 2 when each item streams a gate and an up block;
     weight_bits: quantized values' width (None: the weights are in x's dtype), grouped:
-    with group-wise scales; interpret: with the upcast boxes' buffer of interpret mode;
-    piece: K columns per box."""
+    with group-wise scales (an int: that many groups a piece, fp4); interpret: with the
+    upcast boxes' buffer of interpret mode; piece: K columns per box."""
     w_rows = halves * cfg.block_n  # weight rows per piece
-    w_bytes = w_rows * piece * (weight_bits or 8 * itemsize) // 8 + (w_rows * 4 if grouped else 0)
+    w_bytes = w_rows * piece * (weight_bits or 8 * itemsize) // 8 + w_rows * 4 * int(grouped)
     ring = cfg.num_stages * cfg.k_pieces * (w_bytes + cfg.max_width * piece * itemsize)
     out = cfg.compute_wgs * cfg.max_width * ROWS * itemsize
     partial = halves * ROWS * cfg.max_width * 4 if cfg.split_k else 0
@@ -186,7 +187,8 @@ def num_sms() -> int:
 
 def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
                   swiglu: bool = False, weight_bits: int | None = None,
-                  grouped: bool = False, interpret: bool = False, piece: int = PIECE) -> Config:
+                  grouped: bool | int = False, interpret: bool = False,
+                  piece: int = PIECE) -> Config:
     """Static heuristics from the shapes (group sizes are only known on the device).
 
     max_rows: about three times the mean rows per expert (M / E), so that even a busy
@@ -371,7 +373,8 @@ def _row_item(table, row, num_experts: int, padded_m: int, cfg: Config):
 def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem, o_smem,
             s_smem, a_smem, p_smem, ready, free, handoff, *, cfg: Config, num_experts: int,
             steps: int, grid: int, row_blocks: int | None, padded_m: int, swiglu: bool,
-            aligned: bool, scales: str | None, group_size: int, piece: int):
+            aligned: bool, scales: str | None, group_size: int, piece: int,
+            fp4_groups: int = 0):
     """table: the item table's ref (`build_items`) when row_blocks is None; else the
     per-row table's refs (`build_row_items`), and row_blocks the N blocks: item i is
     (row, N block) = divmod(i, row_blocks).
@@ -389,6 +392,10 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
     [E, K / group_size, N], a row per piece brought into s_smem [stages, pieces, boxes, 64]
     beside the weight boxes. piece: K columns per box (64, or 128 for quantized weights).
     a_smem: interpret mode's upcast boxes [wgs, pieces, halves, 64, piece].
+
+    fp4_groups: fp4 weights (`jaxinfer.mosaic.nibble_words`), that many scale groups a piece:
+    w_ref holds uint16 words [E, N, K / 4], x_ref x's word blocks [K / 16, M, 16], and the
+    boxes are [64, 16] words, [4, width, 16] tokens and [groups, 64] scales a piece.
 
     cfg.split_k: consumer c takes pieces c, c + 2, ... of every step; the second writes its
     accumulators to p_smem [halves, 64, max_width] float32 and the first adds them
@@ -420,8 +427,16 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
         plgpu.set_max_registers(40, action="decrease")
 
         def load_tokens(load_start, k0, slot, p, w):
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(load_start, w), pl.ds(k0, piece)],
-                                    x_smem.at[slot, p, pl.ds(0, w)], ready.at[slot])
+            if not fp4_groups:
+                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(load_start, w), pl.ds(k0, piece)],
+                                        x_smem.at[slot, p, pl.ds(0, w)], ready.at[slot])
+                return
+            # The piece's four word blocks, one copy each (a TMA's shared-memory side must
+            # be contiguous, and w rows of each block are not, together).
+            block0 = lax.div(k0, nibble_words.WORDS)
+            for nib in range(nibble_words.PER_WORD):
+                plgpu.copy_gmem_to_smem(x_ref.at[block0 + nib, pl.ds(load_start, w)],
+                                        x_smem.at[slot, p, nib, pl.ds(0, w)], ready.at[slot])
 
         def item(j, g):
             grp, n_block, _, _, width, load_start = fields(j)
@@ -442,10 +457,16 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                             row0 = pl.multiple_of(
                                 half * n_out + (n_block * owners + c) * ROWS, ROWS)
                             box = half * owners + c
-                            plgpu.copy_gmem_to_smem(
-                                w_ref.at[grp, pl.ds(row0, ROWS), pl.ds(k0, piece)],
-                                w_smem.at[slot, p, box], ready.at[slot])
-                            if scales == "group":  # the rows' scales for this piece
+                            cols = (pl.ds(lax.div(k0, nibble_words.PER_WORD), nibble_words.WORDS)
+                                    if fp4_groups else pl.ds(k0, piece))
+                            plgpu.copy_gmem_to_smem(w_ref.at[grp, pl.ds(row0, ROWS), cols],
+                                                    w_smem.at[slot, p, box], ready.at[slot])
+                            if fp4_groups:  # the piece's groups of scales
+                                plgpu.copy_gmem_to_smem(
+                                    scales_ref.at[grp, pl.ds(lax.div(k0, group_size),
+                                                             fp4_groups), pl.ds(row0, ROWS)],
+                                    s_smem.at[slot, p, box], ready.at[slot])
+                            elif scales == "group":  # the rows' scales for this piece
                                 plgpu.copy_gmem_to_smem(
                                     scales_ref.at[grp, lax.div(k0, group_size),
                                                   pl.ds(row0, ROWS)],
@@ -510,6 +531,24 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                 return a_smem.at[wg, j, half]
             return a
 
+        def fp4_mmas(acc_refs, slot, p, j, w):
+            """The four nibbles' wgmmas of piece p (`jaxinfer.mosaic.nibble_words`), each
+            upcast and issued in turn (interpret mode reuses one upcast buffer)."""
+            for half, acc_ref in enumerate(acc_refs):
+                box = half * owners + mine
+                words = plgpu.load(w_smem.at[slot, p, box], (), layout=plgpu.Layout.WGMMA)
+                group_scales = nibble_words.group_scales(
+                    lambda i, box=box: plgpu.load(s_smem.at[slot, p, box, i], (),
+                                                  layout=plgpu.Layout.WGMMA.reduce(1)),
+                    fp4_groups, words.shape)
+                for nib in range(nibble_words.PER_WORD):
+                    a = nibble_words.nibble_weights(words, nib, group_scales, a_smem is not None)
+                    if a_smem is not None:  # interpret mode: wgmma's A operand in SMEM
+                        a_smem.at[wg, j, half][...] = a
+                        plgpu.commit_smem()
+                        a = a_smem.at[wg, j, half]
+                    plgpu.wgmma(acc_ref, a, x_smem.at[slot, p, nib, pl.ds(0, w)].transpose((1, 0)))
+
         def mma(*acc_refs, g, w):
             """One accumulator per half (gate, up); returns their values."""
             def step(s, _):
@@ -519,13 +558,17 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                 # This consumer's pieces: all, or every other one (split_k).
                 taken = ([j * wgs + wg for j in range(pieces // wgs)] if cfg.split_k
                          else list(range(pieces)))
-                # Every A operand of the step first (quantized: upcast into registers).
-                a_ops = [[weights(slot, p, half, j) for half in range(halves)]
-                         for j, p in enumerate(taken)]
-                for j, p in enumerate(taken):
-                    x_tile = x_smem.at[slot, p, pl.ds(0, w)].transpose((1, 0))
-                    for half, acc_ref in enumerate(acc_refs):
-                        plgpu.wgmma(acc_ref, a_ops[j][half], x_tile)
+                if fp4_groups:
+                    for j, p in enumerate(taken):
+                        fp4_mmas(acc_refs, slot, p, j, w)
+                else:
+                    # Every A operand of the step first (quantized: upcast into registers).
+                    a_ops = [[weights(slot, p, half, j) for half in range(halves)]
+                             for j, p in enumerate(taken)]
+                    for j, p in enumerate(taken):
+                        x_tile = x_smem.at[slot, p, pl.ds(0, w)].transpose((1, 0))
+                        for half, acc_ref in enumerate(acc_refs):
+                            plgpu.wgmma(acc_ref, a_ops[j][half], x_tile)
                 if scales is not None:
                     # Register A operands are not left in flight past the step: with the
                     # next step's upcasts running under them, token tiles of 64 rows and
@@ -535,7 +578,8 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                     plgpu.wgmma_wait(0)
                 # This step's MMAs may still run; the previous step's are done, so its
                 # slot goes back to the producer.
-                plgpu.wgmma_wait(len(taken) * halves)
+                plgpu.wgmma_wait(len(taken) * halves
+                                 * (nibble_words.PER_WORD if fp4_groups else 1))
 
                 @pl.when(s > 0)
                 def _():
@@ -579,6 +623,8 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                 plgpu.barrier_arrive(free.at[lax.rem(g + steps - 1, stages)])
 
                 def finish(accs):
+                    if fp4_groups:  # the scales' power of two not in the weights
+                        accs = [acc * jnp.float32(2.0 ** nibble_words.SUM_EXP) for acc in accs]
                     if scales == "channel":
                         accs = [acc * lax.broadcast_in_dim(scale, acc.shape, [0])
                                 for acc, scale in zip(accs, row_scales, strict=True)]
@@ -619,11 +665,12 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
 @functools.partial(jax.jit, static_argnames=("swiglu", "rows_sorted", "groups_aligned",
-                                             "config"))
+                                             "config", "fp4_in_registers"))
 def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,
                         row_groups: RowGroups | None = None, *, swiglu: bool = False,
                         rows_sorted: bool = True, groups_aligned: bool = False,
-                        config: Config | None = None) -> jax.Array:
+                        config: Config | None = None,
+                        fp4_in_registers: bool = False) -> jax.Array:
     """x [M, K], W [E, N, K] (float, or a quantized stack), group_sizes [E] -> [M, N]
     (see the module docstring). row_groups: the per-row table (`build_row_items`), if the
     caller has it; rows_sorted False: the rows are not in group order (`RowGroups`).
@@ -631,10 +678,13 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     epilogue on the per-row path (decode), applied after the kernel otherwise (the two
     [64, width] accumulators of a prefill tile would not fit the registers).
     groups_aligned: the caller promises group sizes in multiples of 8 rows (the fast
-    epilogue; ignored where M is not a multiple of 8 or the per-row table is used)."""
+    epilogue; ignored where M is not a multiple of 8 or the per-row table is used).
+    fp4_in_registers: fp4 stacks streamed as stored and upcast in registers
+    (`upcasts_in_registers`), not dequantised first: off until checked on a GPU."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic grouped matmul: {reason}")
-    if isinstance(w, QuantizedWeight) and not upcasts_in_registers(w):
+    if isinstance(w, QuantizedWeight) and not upcasts_in_registers(w, x.dtype,
+                                                                   fp4_in_registers):
         # Whole-stack dequantisation: a cost for prefill sizes; the registry reduces decode
         # rows of these formats by row instead (`jaxinfer.ops.grouped_matmul_registry`).
         w = dequantize(w, x.dtype)
@@ -642,12 +692,13 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     e, n, _ = w.shape
     interpret = mosaic_interpret_params()
     quantized = isinstance(w, QuantizedWeight)
-    weight_bits = (4 if w.kind == "int4" else 8) if quantized else None
+    weight_bits = (4 if w.kind in ("int4", "fp4") else 8) if quantized else None
     scales = None if not quantized else "channel" if w.group_size == k else "group"
     piece = piece_cols(w, k)
+    fp4_groups = piece // w.group_size if quantized and w.kind == "fp4" else 0
+    groups = fp4_groups or scales == "group"  # scale rows a box brings
     cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS,
-                                  swiglu, weight_bits, scales == "group",
-                                  interpret is not None, piece)
+                                  swiglu, weight_bits, groups, interpret is not None, piece)
     # (gate and up blocks of block_n rows each: N / 2 must hold whole blocks)
     fused = swiglu and row_items(m, e, cfg) and (n // 2) % cfg.block_n == 0
     halves = 2 if fused else 1
@@ -659,7 +710,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
             or n % (halves * cfg.block_n) or k % (cfg.k_pieces * piece)):
         raise ValueError(f"mosaic grouped matmul: config {cfg} does not tile "
                          f"M={m} N={n} K={k}")
-    smem = smem_bytes(cfg, x.dtype.itemsize, halves, weight_bits, scales == "group",
+    smem = smem_bytes(cfg, x.dtype.itemsize, halves, weight_bits, groups,
                       interpret is not None, piece)
     if smem > SMEM_BYTES:
         raise ValueError(f"mosaic grouped matmul: config {cfg} needs {smem} bytes of "
@@ -674,9 +725,13 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         raise ValueError("mosaic grouped matmul: rows_sorted=False needs row_groups")
     if not rows_sorted and not row_items(m, e, cfg):
         # The item table walks the rows in group order.
-        return in_group_order(lambda x: grouped_matmul_mgpu(x, w, group_sizes, swiglu=swiglu,
-                                                            config=config), x, row_groups)
-    if quantized:
+        return in_group_order(lambda x: grouped_matmul_mgpu(
+            x, w, group_sizes, swiglu=swiglu, config=config,
+            fp4_in_registers=fp4_in_registers), x, row_groups)
+    if fp4_groups:  # words of four codes; x's columns in the nibbles' order
+        values, x_in = nibble_words.words(w.values), nibble_words.x_word_blocks(x_in)
+        scale_rows = w.scales
+    elif quantized:
         values = w.values
         # Per channel: [E, 1, N] -> one row of 64 scales per consumer's N block.
         scale_rows = (w.scales.reshape(e, n // ROWS, ROWS) if scales == "channel"
@@ -698,21 +753,28 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
 
     stages, pieces, wgs = cfg.num_stages, cfg.k_pieces, cfg.compute_wgs
     boxes = halves * cfg.owners  # weight boxes per piece
+    if fp4_groups:  # [64, 16] words, [4, width, 16] tokens, [groups, 64] scales a box
+        words = nibble_words.WORDS
+        w_box, x_box, a_cols = (ROWS, words), (nibble_words.PER_WORD, cfg.max_width, words), words
+        s_box = (fp4_groups, ROWS)
+        w_transforms = x_transforms = _swizzled(16, words)
+    else:
+        w_box, x_box, a_cols, s_box = (ROWS, piece), (cfg.max_width, piece), piece, (ROWS,)
+        w_transforms, x_transforms = _swizzled(weight_bits or 16, piece), _swizzled(16, piece)
     scratch = [
-        plgpu.SMEM((stages, pieces, boxes, ROWS, piece), values.dtype,
-                   transforms=_swizzled(weight_bits or 16, piece)),
-        plgpu.SMEM((stages, pieces, cfg.max_width, piece), x.dtype,
-                   transforms=_swizzled(16, piece)),
+        plgpu.SMEM((stages, pieces, boxes, *w_box), values.dtype, transforms=w_transforms),
+        plgpu.SMEM((stages, pieces, *x_box), x.dtype, transforms=x_transforms),
         plgpu.SMEM((wgs, cfg.max_width, ROWS), x.dtype,
                    transforms=_swizzled() if aligned else ()),
-        plgpu.SMEM((stages, pieces, boxes, ROWS), jnp.float32) if scales == "group" else None,
-        plgpu.SMEM((wgs, pieces, halves, ROWS, piece), x.dtype,
-                   transforms=_swizzled(16, piece))
+        plgpu.SMEM((stages, pieces, boxes, *s_box), jnp.float32) if groups else None,
+        plgpu.SMEM((wgs, pieces, halves, ROWS, a_cols), x.dtype,
+                   transforms=_swizzled(16, a_cols))
         if quantized and interpret is not None else None,
         plgpu.SMEM((halves, ROWS, cfg.max_width), jnp.float32) if cfg.split_k else None,
         # ready: per piece, a weight box (and its scales) per consumer and half, and the
-        # token rows
-        plgpu.Barrier(num_arrivals=(boxes * (2 if scales == "group" else 1) + 1) * pieces,
+        # token rows (fp4: in four blocks)
+        plgpu.Barrier(num_arrivals=(boxes * (2 if groups else 1)
+                                    + (nibble_words.PER_WORD if fp4_groups else 1)) * pieces,
                       num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
         plgpu.Barrier(num_arrivals=1, num_barriers=2) if cfg.split_k else None,  # handoff
@@ -720,7 +782,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     kernel = functools.partial(_kernel, cfg=cfg, num_experts=e, steps=steps, grid=grid,
                                row_blocks=row_blocks, padded_m=padded_m, swiglu=fused,
                                aligned=aligned, scales=scales,
-                               group_size=w.group_size if quantized else k, piece=piece)
+                               group_size=w.group_size if quantized else k, piece=piece,
+                               fp4_groups=fp4_groups)
 
     def body(table, count_ref, x_ref, w_ref, *refs):
         scales_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
@@ -740,11 +803,14 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     return swiglu_halves(y, x.dtype) if swiglu and not fused else y
 
 
-def upcasts_in_registers(w: QuantizedWeight) -> bool:
+def upcasts_in_registers(w: QuantizedWeight, x_dtype=None, fp4: bool = False) -> bool:
     """Whether the kernel streams these quantized weights as stored and upcasts them in
-    registers: symmetric int8 / int4, per channel or in groups of a multiple of PIECE.
-    Others (fp8, MXFP4, zero points, groups of 32) it takes dequantised into a float stack
-    by XLA first."""
+    registers: symmetric int8 / int4, per channel or in groups of a multiple of PIECE; with
+    `fp4`, MXFP4 / NVFP4 against bf16 x (`jaxinfer.mosaic.nibble_words`; off by default until
+    checked on a GPU). Others (fp8, zero points, groups of 32) it takes dequantised into a
+    float stack by XLA first."""
+    if w.kind == "fp4":
+        return fp4 and x_dtype in (None, jnp.bfloat16)
     return (w.kind in ("int8", "int4") and w.offsets is None
             and (w.group_size == w.shape[2] or w.group_size % PIECE == 0))
 

@@ -28,11 +28,16 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
 - The kernel takes any M, in 16-token tiles; the linear registry sends steps of more
   than 16 tokens to XLA (`jaxinfer.ops.linear_registry.MAX_KERNEL_M`).
 
+fp4 weights (MXFP4, NVFP4: e2m1 codes, which Hopper cannot convert) are read as
+16-bit words of four codes in pieces of 64 K elements and made bf16 with integer ops,
+four wgmmas a piece, one per nibble, against x's permuted columns
+(`jaxinfer.mosaic.nibble_words`); XLA multiplies the partial sums by 2^SUM_EXP.
+
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode
 (tests); there the upcast weight piece goes through shared memory, because
 interpret mode has no register A operand. Constraints (else
-`unsupported_reason`): weight-only int8 / int4, x in bf16 or fp16, N a
-multiple of 64, K a multiple of the piece (the group size, or 128).
+`unsupported_reason`): weight-only int8 / int4 / fp4, x in bf16 or fp16 (fp4: bf16),
+N a multiple of 64, K a multiple of the piece (the group size or 128; fp4: 64).
 fp8 weights go to XLA: W8A8 runs as XLA's fp8 dot (cuBLASLt), and e4m3 has no
 direct upcast to bf16 in registers.
 """
@@ -48,6 +53,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxinfer.mosaic import nibble_words
 from jaxinfer.ops.platform import mosaic_interpret_params
 from jaxinfer.ops.quant import QuantizedWeight
 
@@ -72,21 +78,28 @@ class Config:
 MAX_TILE_M = 16
 
 
-def piece_size(w: QuantizedWeight) -> int:
+def piece_size(w: QuantizedWeight, words: bool = False) -> int:
+    """K elements per piece: the group size, or 128 for per-channel scales; read as words
+    (`nibble_words`), at least 64 (16 words, a k16 wgmma per nibble): fp4's 64 hold
+    several groups, int4's groups of 32 two."""
     g = w.group_size
-    return g if g < w.shape[1] else 128
+    if w.kind == "fp4":
+        return nibble_words.PIECE
+    if g == w.shape[1]:
+        return 128
+    return max(g, nibble_words.PIECE) if words else g
 
 
-def _smem_bytes(cfg: Config, piece: int, value_bits: int, x_bytes: int, grouped: bool,
+def _smem_bytes(cfg: Config, piece: int, value_bits: int, x_bytes: int, scales_per_piece: int,
                 interpret: bool) -> int:
     per_piece = ROWS * piece * value_bits // 8 + cfg.tile_m * piece * x_bytes
-    per_piece += ROWS * 4 if grouped else 0
+    per_piece += ROWS * 4 * scales_per_piece
     fixed = cfg.compute_wgs * ROWS * (cfg.tile_m * 4 + (piece * x_bytes if interpret else 0))
     return fixed + cfg.num_stages * cfg.pieces_per_step * per_piece + 1024
 
 
 def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: int = 2,
-                  grouped: bool = False, interpret: bool = False) -> Config:
+                  scales_per_piece: int = 0, interpret: bool = False) -> Config:
     """Static heuristics for the memory-bound regime (small M): split K until the grid
     covers the SMs once (a second wave of one-CTA-per-SM blocks would idle the tail), then
     about 32 KB of weights per step, four steps in flight, two consumer warpgroups."""
@@ -103,7 +116,7 @@ def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: 
         pps -= wgs
     cfg = Config(tile_m=tile_m, pieces_per_step=pps, num_stages=4, compute_wgs=wgs,
                  k_splits=splits)
-    while _smem_bytes(cfg, piece, value_bits, x_bytes, grouped, interpret) > SMEM_BYTES:
+    while _smem_bytes(cfg, piece, value_bits, x_bytes, scales_per_piece, interpret) > SMEM_BYTES:
         if cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
         elif cfg.pieces_per_step > wgs and per_split % (cfg.pieces_per_step // 2) == 0 \
@@ -125,13 +138,17 @@ def _transforms(dtype, cols: int):
     return ()
 
 
-def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped: bool,
-            steps: int, interpret: bool):
+def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_per_piece: int,
+            words: str | None, steps: int, interpret: bool):
+    """scales_per_piece: 0 (per-channel scales, applied at the end), 1 (a group a piece)
+    or the groups a piece holds (read as words). words: None, or "fp4" / "int4" for 4-bit
+    values read as 16-bit words (`nibble_words`)."""
     w_smem, x_smem, s_smem, o_smem, a_smem, ready, free = scratch
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     pps, stages, wgs = cfg.pieces_per_step, cfg.num_stages, cfg.compute_wgs
     first_piece = split * (steps * pps)
+    grouped = scales_per_piece > 0
 
     @pl.when(wg == wgs)
     def _producer():
@@ -147,10 +164,10 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped:
             for p in range(pps):
                 plgpu.copy_gmem_to_smem(w_ref.at[n_blk, :, p0 + p, :],
                                         w_smem.at[slot, p], ready.at[slot])
-                plgpu.copy_gmem_to_smem(x_ref.at[m_blk, :, p0 + p, :],
-                                        x_smem.at[slot, p], ready.at[slot])
+                x_src = x_ref.at[m_blk, p0 + p] if words else x_ref.at[m_blk, :, p0 + p, :]
+                plgpu.copy_gmem_to_smem(x_src, x_smem.at[slot, p], ready.at[slot])
             if grouped:
-                plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(p0, pps), n_blk, :],
+                plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(p0, pps), :, n_blk, :],
                                         s_smem.at[slot], ready.at[slot])
             return ()
 
@@ -159,6 +176,13 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped:
     @pl.when(wg < wgs)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
+
+        def a_operand(w):
+            if interpret:  # interpret mode: wgmma's A operand must be in SMEM
+                a_smem.at[wg][...] = w
+                plgpu.commit_smem()
+                return a_smem.at[wg]
+            return w
 
         def weight_piece(slot, p):
             """Piece p of the slot's weight rows, upcast (and group-scaled) in registers."""
@@ -169,13 +193,10 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped:
             if grouped:
                 # Dequantise before the MMA (one multiply per weight) so that every piece
                 # accumulates into one accumulator without waiting on the tensor core.
-                scale = plgpu.load(s_smem.at[slot, p], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                scale = plgpu.load(s_smem.at[slot, p, 0], (),
+                                   layout=plgpu.Layout.WGMMA.reduce(1))
                 w = w * lax.broadcast_in_dim(scale.astype(w.dtype), w.shape, [0])
-            if interpret:  # interpret mode: wgmma's A operand must be in SMEM
-                a_smem.at[wg][...] = w
-                plgpu.commit_smem()
-                w = a_smem.at[wg]
-            return w
+            return a_operand(w)
 
         def mma(acc_ref):
             # Warpgroup wg takes pieces wg, wg + wgs, ... of every step (a split of K
@@ -186,11 +207,28 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped:
                 mine = range(0, pps, wgs)
                 for j in mine:
                     p = j + wg if wgs > 1 else j
-                    w = weight_piece(slot, p)
-                    plgpu.wgmma(acc_ref, w, x_smem.at[slot, p].transpose((1, 0)))
+                    if words:
+                        word_array = plgpu.load(w_smem.at[slot, p], (),
+                                                layout=plgpu.Layout.WGMMA)
+                        scales = None if not grouped else nibble_words.group_scales(
+                            lambda g, slot=slot, p=p: plgpu.load(
+                                s_smem.at[slot, p, g], (), layout=plgpu.Layout.WGMMA.reduce(1)),
+                            scales_per_piece, word_array.shape,
+                            nibble_words.SCALE_EXP if words == "fp4" else 0)
+                        for nib in range(nibble_words.PER_WORD):
+                            if words == "fp4":
+                                w = nibble_words.nibble_weights(word_array, nib, scales,
+                                                                interpret)
+                            else:
+                                w = nibble_words.int4_nibble_weights(word_array, nib, scales)
+                            plgpu.wgmma(acc_ref, a_operand(w),
+                                        x_smem.at[slot, p, nib].transpose((1, 0)))
+                    else:
+                        plgpu.wgmma(acc_ref, weight_piece(slot, p),
+                                    x_smem.at[slot, p].transpose((1, 0)))
                 # This step's MMAs may still run; the previous step's are done, so its
                 # slot goes back to the producer (if the producer will refill it).
-                plgpu.wgmma_wait(len(mine))
+                plgpu.wgmma_wait(len(mine) * (nibble_words.PER_WORD if words else 1))
 
                 @pl.when((i > 0) & (i - 1 + stages < steps))
                 def _():
@@ -202,8 +240,8 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped:
 
         acc = pl.run_scoped(mma, plgpu.ACC((ROWS, cfg.tile_m), jnp.float32))
         if not grouped:
-            scale = plgpu.load(scales_ref.at[0, n_blk], (), layout=plgpu.Layout.WGMMA.reduce(1),
-                               optimized=False)
+            scale = plgpu.load(scales_ref.at[0, 0, n_blk], (),
+                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
             acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
         o_smem.at[wg][...] = acc
         plgpu.commit_smem()
@@ -212,19 +250,24 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, grouped:
 
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
-@functools.partial(jax.jit, static_argnames=("config",))
-def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
-                          config: Config | None = None) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] in x.dtype (see the module docstring)."""
+@functools.partial(jax.jit, static_argnames=("config", "int4_words"))
+def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | None = None,
+                          int4_words: bool = False) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] in x.dtype (see the module docstring). int4_words: int4
+    values (with bf16 x) read as words (`nibble_words`) instead of loaded in the upcast
+    layout and relaid out (an experiment to time; fp4 is always read as words)."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic quantized matmul: {reason}")
     m, k = x.shape
     n = w.shape[0]
-    piece = piece_size(w)
-    grouped = w.group_size < k
-    bits = 4 if w.kind == "int4" else 8
+    fp4 = w.kind == "fp4"
+    int4_words = int4_words and w.kind == "int4" and x.dtype == jnp.bfloat16
+    words = "fp4" if fp4 else "int4" if int4_words else None
+    piece = piece_size(w, words is not None)
+    scales_per_piece = 0 if w.group_size == k else max(1, piece // w.group_size)
+    bits = 4 if w.kind in ("int4", "fp4") else 8
     interpret = mosaic_interpret_params()
-    cfg = config or choose_config(m, n, k, piece, bits, x.dtype.itemsize, grouped,
+    cfg = config or choose_config(m, n, k, piece, bits, x.dtype.itemsize, scales_per_piece,
                                   interpret is not None)
     pps, wgs, tm, stages = cfg.pieces_per_step, cfg.compute_wgs, cfg.tile_m, cfg.num_stages
     total_pieces = k // piece
@@ -238,25 +281,38 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
     n_blocks, m_tiles = n // ROWS, -(-m // tm)
 
     # Views whose TMA offsets fall on untiled (leading) dimensions only.
-    w_view = w.values.reshape(n_blocks, ROWS, total_pieces, piece)
     x_pad = jnp.pad(x, ((0, m_tiles * tm - m), (0, 0)))
-    x_view = x_pad.reshape(m_tiles, tm, total_pieces, piece)
-    scales_view = w.scales.reshape(-1, n_blocks, ROWS)
+    if words:
+        # Words of four codes; x's piece columns 4c + i gathered into nibble i's block.
+        values, wp = nibble_words.words(w.values), piece // nibble_words.PER_WORD
+        w_view = values.reshape(n_blocks, ROWS, total_pieces, wp)
+        x_view = nibble_words.x_word_blocks(x_pad, piece).reshape(
+            total_pieces, nibble_words.PER_WORD, m_tiles, tm, wp).transpose(2, 0, 1, 3, 4)
+        w_tile, x_tile = (ROWS, wp), (nibble_words.PER_WORD, tm, wp)
+    else:
+        values = w.values
+        w_view = values.reshape(n_blocks, ROWS, total_pieces, piece)
+        x_view = x_pad.reshape(m_tiles, tm, total_pieces, piece)
+        w_tile, x_tile = (ROWS, piece), (tm, piece)
+    # [pieces, scales a piece, N / 64, 64] (per-channel: [1, 1, N / 64, 64])
+    scales_view = w.scales.reshape(-1, max(scales_per_piece, 1), n_blocks, ROWS)
 
     scratch = [
-        plgpu.SMEM((stages, pps, ROWS, piece), w.values.dtype,
-                   transforms=_transforms(w.values.dtype, piece)),
-        plgpu.SMEM((stages, pps, tm, piece), x.dtype, transforms=_transforms(x.dtype, piece)),
-        plgpu.SMEM((stages, pps, ROWS), jnp.float32) if grouped else None,
+        plgpu.SMEM((stages, pps, *w_tile), values.dtype,
+                   transforms=_transforms(values.dtype, w_tile[-1])),
+        plgpu.SMEM((stages, pps, *x_tile), x.dtype, transforms=_transforms(x.dtype, x_tile[-1])),
+        plgpu.SMEM((stages, pps, scales_per_piece, ROWS), jnp.float32)
+        if scales_per_piece else None,
         plgpu.SMEM((wgs, ROWS, tm), jnp.float32),
-        plgpu.SMEM((wgs, ROWS, piece), x.dtype, transforms=_transforms(x.dtype, piece))
+        plgpu.SMEM((wgs, ROWS, w_tile[-1] if words else piece), x.dtype,
+                   transforms=_transforms(x.dtype, w_tile[-1] if words else piece))
         if interpret else None,
     ]
-    copies = 2 * pps + (1 if grouped else 0)
+    copies = 2 * pps + (1 if scales_per_piece else 0)
     barriers = (plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
-    kernel_fn = functools.partial(_kernel, cfg=cfg, grouped=grouped, steps=steps,
-                                  interpret=interpret is not None)
+    kernel_fn = functools.partial(_kernel, cfg=cfg, scales_per_piece=scales_per_piece,
+                                  words=words, steps=steps, interpret=interpret is not None)
 
     def entry(w_ref, x_ref, s_ref, out_ref):
         pl.run_scoped(lambda *s: kernel_fn(w_ref, x_ref, s_ref, out_ref, (*s[0], *s[1:])),
@@ -271,6 +327,8 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
     )(w_view, x_view, scales_view)
     # [splits, N / 64, m_tiles, 64, tm] -> [M, N]
     y = partial.sum(axis=0).transpose(1, 3, 0, 2).reshape(m_tiles * tm, n)[:m]
+    if fp4:
+        y = y * jnp.float32(2.0 ** nibble_words.SUM_EXP)
     if w.offsets is not None:
         g = w.group_size
         x_sums = x.astype(jnp.float32).reshape(m, k // g, g).sum(axis=-1)
@@ -281,10 +339,12 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
 def unsupported_reason(x: jax.Array, w: QuantizedWeight) -> str | None:
     """Why this kernel cannot take these inputs (None if it can)."""
     n, k = w.shape
-    if w.kind not in ("int8", "int4"):
+    if w.kind not in ("int8", "int4", "fp4"):
         return f"{w.kind} weights go to XLA (fp8 dot / dequantize)"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"x dtype {x.dtype}: needs bfloat16 or float16"
+    if w.kind == "fp4" and x.dtype != jnp.bfloat16:
+        return f"x dtype {x.dtype}: fp4 weights need bfloat16 (their bits are made as bf16)"
     piece = piece_size(w)
     if n % ROWS or k % piece:
         return f"N={n} must be a multiple of {ROWS} and K={k} of {piece}"

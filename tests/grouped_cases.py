@@ -44,6 +44,7 @@ CASES = {
     "fp8_weight_only": Case(20, 4, 128, 256, "empty", fmt="fp8:weight-only"),
     "mxfp4_random": Case(40, 4, 256, 256, "partial", fmt="mxfp4"),
     "mxfp4_decode": Case(4, 8, 256, 256, "empty", fmt="mxfp4"),
+    "nvfp4_decode": Case(4, 8, 128, 256, "empty", fmt="nvfp4"),
     "int4_g32_asym_decode": Case(8, 8, 128, 256, fmt="int4:g32:asym"),
 }
 

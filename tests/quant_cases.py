@@ -48,6 +48,10 @@ CASES = {
     "fp8_w8a8_m1": Case("fp8", 1, 256, 512),
     "fp8_w8a8_m256": Case("fp8", 256, 256, 256, outliers=True),
     "fp8_weight_only_m7": Case("fp8:weight-only", 7, 128, 512),
+    "fp8_g128_weight_only_m5": Case("fp8:g128:weight-only", 5, 256, 512),
+    "mxfp4_m5": Case("mxfp4", 5, 256, 512),
+    "nvfp4_m3": Case("nvfp4", 3, 256, 512),
+    "nvfp4_m64": Case("nvfp4", 64, 128, 256, outliers=True),
 }
 
 

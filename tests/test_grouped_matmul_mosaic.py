@@ -9,6 +9,7 @@ cases run natively under `pytest -m gpu`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -118,10 +119,23 @@ QUANT_CASES = [
     ("int4_g128_aligned_256", 512, 2, 128, 256, [264, 248],
      Config(max_rows=256, compute_wgs=1, k_pieces=1, num_stages=2, num_ctas=2), "int4:g128",
      dict(groups_aligned=True)),
+    # fp4 streamed as words and upcast in registers (`fp4_in_registers`): two (MXFP4) or
+    # four (NVFP4) scale groups a piece; split K on per-row items, the fused swiglu, wide
+    # windows of the item table.
+    ("mxfp4_split_k_rows", 10, 12, 256, 256, [3, 0, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1],
+     Config(max_rows=32, compute_wgs=2, k_pieces=2, num_stages=2, num_ctas=3, split_k=True),
+     "mxfp4", dict(fp4_in_registers=True)),
+    ("nvfp4_swiglu_rows", 10, 12, 256, 128, [3, 0, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1],
+     Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=3), "nvfp4",
+     dict(swiglu=True, fp4_in_registers=True)),
+    ("nvfp4_wide_windows", 320, 2, 128, 128, [150, 100],
+     Config(max_rows=128, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2, last_extra=32),
+     "nvfp4", dict(fp4_in_registers=True)),
 ]
 
 
-def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=False, fmt=None):
+def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=False, fmt=None,
+             fp4_in_registers=False):
     rng = np.random.default_rng(0)
     with jax.default_device(jax.devices(platform)[0]):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -129,14 +143,15 @@ def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=Fals
         w = quantize(w, fmt) if fmt else jnp.asarray(w, jnp.bfloat16)
         gs = jnp.asarray(sizes, jnp.int32)
         got = np.asarray(grouped_matmul_mgpu(x, w, gs, swiglu=swiglu, config=cfg,
-                                             groups_aligned=groups_aligned)
+                                             groups_aligned=groups_aligned,
+                                             fp4_in_registers=fp4_in_registers)
                          .astype(jnp.float32))
         want = np.asarray(grouped_matmul_reference(x, w, gs, swiglu=swiglu)
                           .astype(jnp.float32))
         if row_items(m, e, cfg):  # the per-row table passed in (group sizes unread): same
             table = build_row_items(gs, m)
             passed = grouped_matmul_mgpu(x, w, jnp.zeros_like(gs), table, swiglu=swiglu,
-                                         config=cfg)
+                                         config=cfg, fp4_in_registers=fp4_in_registers)
             np.testing.assert_array_equal(np.asarray(passed.astype(jnp.float32)), got)
     assert got.shape == (m, n // 2 if swiglu else n)
     assert np.isfinite(got).all(), "unwritten output rows"
@@ -293,3 +308,22 @@ def test_choose_config_fits_shared_memory():
                                 piece=128)
             assert smem_bytes(cfg, 2, 1, bits, True, True, 128) <= SMEM_BYTES
             assert cfg.max_rows < 256 and cfg.last_extra < cfg.max_rows
+
+
+@pytest.mark.parametrize("fmt,m", [("int4:g128", 10), ("mxfp4", 10), ("nvfp4", 300)])
+def test_kernel_lowers_for_hopper(monkeypatch, fmt, m):
+    """The compiled (not interpreted) kernel lowers for a CUDA device from the CPU, per-row
+    items (10 rows of 12 experts) and the item table (300): every op it uses has a Mosaic
+    GPU lowering in its register layout. Compiling it needs a GPU."""
+    from jaxinfer.mosaic import grouped_matmul as kernel
+    monkeypatch.setattr(kernel, "mosaic_interpret_params", lambda: None)
+    w = quantize(np.random.default_rng().standard_normal((12, 256, 256)), fmt)
+    x = jax.ShapeDtypeStruct((m, 256), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((12,), jnp.int32)
+    kernel.grouped_matmul_mgpu.clear_cache()  # traced here without interpret mode
+    try:
+        lowered = jax.jit(functools.partial(kernel.grouped_matmul_mgpu, fp4_in_registers=True)
+                          ).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
+    finally:
+        kernel.grouped_matmul_mgpu.clear_cache()
+    assert "mosaic_gpu" in lowered.as_text()

@@ -13,6 +13,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from quant_cases import CASES, Case, build, oracle, stored_weight
@@ -85,15 +86,16 @@ def test_matches_oracle(name, implementation, platform):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int8:g32", "int8:g128:asym", "int4", "int4:g64",
-                                 "int4:g128", "int4:g32:asym", "fp8", "fp8:weight-only"])
+                                 "int4:g128", "int4:g32:asym", "fp8", "fp8:weight-only",
+                                 "fp8:g128:weight-only", "mxfp4", "nvfp4"])
 def test_quantize_dequantize_error_bound(fmt):
     w = build(Case(fmt, 1, 128, 512, outliers=True, seed=7))["w"]
     qw = quantize(w, fmt)
     f = parse_format(fmt)
     n, k = w.shape
     g = f.group_size or k
-    assert qw.values.dtype == {"int8": jnp.int8, "int4": jnp.int4,
-                               "fp8": jnp.float8_e4m3fn}[f.kind]
+    assert qw.values.dtype == {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn,
+                               "fp4": jnp.float4_e2m1fn}[f.kind]
     assert qw.values.shape == (n, k) and qw.scales.shape == (k // g, n)
     assert qw.scales.dtype == jnp.float32 and qw.group_size == g
     assert (qw.offsets is not None) == f.asymmetric
@@ -105,10 +107,68 @@ def test_quantize_dequantize_error_bound(fmt):
     np.testing.assert_allclose(np.asarray(dequantize(qw)), stored_weight(qw), rtol=1e-6,
                                atol=1e-6 * np.abs(w).max())  # offset + q * scale cancels
     # Integer formats use their range: the largest |value| in each group hits qmax.
-    if f.kind != "fp8" and not f.asymmetric:
+    if f.kind in ("int8", "int4") and not f.asymmetric:
         qmax = {"int8": 127, "int4": 7}[f.kind]
         v = np.abs(np.asarray(qw.values.astype(jnp.int8))).reshape(n, k // g, g)
         assert (v.max(axis=-1) == qmax).all()
+
+
+@pytest.mark.parametrize("magnitude", [0.05, 3e4])
+def test_nvfp4_scales_are_e4m3_times_a_power_of_two(magnitude):
+    w = build(Case("nvfp4", 1, 128, 256, outliers=True, seed=3))["w"] * magnitude
+    w[5, :16] = 0  # an all-zero group
+    w[6, 16:32] *= 1e-7  # a group far below the tensor's largest: e4m3's subnormal scales
+    qw = quantize(w, "nvfp4")
+    s = np.asarray(qw.scales, np.float64)
+    assert qw.group_size == 16 and str(parse_format("nvfp4")) == "nvfp4"
+    t = 2.0 ** np.ceil(np.log2(s.max() / 448))  # the tensor's scale, a power of two
+    b = s / t
+    assert 224 < b.max() <= 448
+    np.testing.assert_array_equal(b.astype(ml_dtypes.float8_e4m3fn).astype(np.float64), b)
+    v = np.abs(np.asarray(qw.values.astype(jnp.float32))).reshape(128, 16, 16)
+    live = np.abs(w).reshape(128, 16, 16).max(axis=-1) > 0
+    # Scales rounded up: no value past e2m1's 6; each group's largest at 4 or more where
+    # its scale is a normal e4m3 number (its absmax / scale is then above 6 / 1.125).
+    assert v.max() <= 6 and (v.max(axis=-1)[live & (b.T >= 2.0 ** -6)] >= 4).all()
+    np.testing.assert_array_equal(np.asarray(dequantize(qw))[5, :16], 0)
+    assert np.isfinite(s).all() and (s > 0).all()
+    # The scale search never does worse than the smallest e4m3 scale that clips nothing
+    # (found here from the table of every e4m3 number), group by group.
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    e4m3 = np.unique(e4m3[np.isfinite(e4m3) & (e4m3 > 0)])
+    groups = w.astype(np.float64).reshape(128, 16, 16)
+    need = np.abs(groups).max(axis=-1) / (6 * t)
+    no_clip = e4m3[np.minimum(np.searchsorted(e4m3, need), len(e4m3) - 1)] * t
+
+    def squared_error(scale):
+        v = np.clip(groups / scale[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn)
+        return np.square(v.astype(np.float64) * scale[..., None] - groups).sum(-1)
+
+    chosen = squared_error(s.T)
+    assert (chosen <= squared_error(no_clip) * (1 + 1e-6) + 1e-30).all()
+    assert (chosen < squared_error(no_clip)).any()  # and it finds better scales
+
+
+def test_mxfp4_scales_are_powers_of_two_of_least_error():
+    w = build(Case("mxfp4", 1, 128, 256, outliers=True, seed=4))["w"]
+    w[5, :32] = 0  # an all-zero group
+    qw = quantize(w, "mxfp4")
+    s = np.asarray(qw.scales, np.float64).T  # [N, K // 32]
+    np.testing.assert_array_equal(np.exp2(np.round(np.log2(s))), s)
+    groups = w.astype(np.float64).reshape(128, 8, 32)
+    absmax = np.abs(groups).max(axis=-1)
+    no_clip = np.where(absmax > 0, np.exp2(np.ceil(np.log2(np.maximum(absmax, 1e-30) / 6))), 1.0)
+    # Each scale is the no-clipping power of two or the one below it (when that clips only
+    # up to 7.5 / 6 of the range), whichever gives the smaller squared error.
+    assert ((s == no_clip) | ((s == no_clip / 2) & (absmax / s <= 7.5))).all()
+
+    def squared_error(scale):
+        v = np.clip(groups / scale[..., None], -6, 6).astype(ml_dtypes.float4_e2m1fn)
+        return np.square(v.astype(np.float64) * scale[..., None] - groups).sum(-1)
+
+    assert (squared_error(s) <= squared_error(no_clip) * (1 + 1e-6) + 1e-30).all()
+    assert (s < no_clip).any()
+    np.testing.assert_array_equal(np.asarray(dequantize(qw))[5, :32], 0)
 
 
 def test_quantize_all_zero_rows_and_int4_packing():
@@ -124,7 +184,7 @@ def test_quantize_all_zero_rows_and_int4_packing():
 @pytest.mark.parametrize("spec,message", [
     ("int3", "unknown format 'int3'"),
     ("int4:g100", "group size 100"),
-    ("fp8:g128", "unknown option 'g128' for fp8"),
+    ("fp8:g128", "fp8 W8A8 takes one scale per output channel"),
     ("int8:weird", "unknown option 'weird'"),
 ])
 def test_bad_format_strings(spec, message):
@@ -163,7 +223,8 @@ MOSAIC_CONFIGS = {
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
 @pytest.mark.parametrize("config", list(MOSAIC_CONFIGS))
-@pytest.mark.parametrize("name", ["int8_m200", "int4_g128_m16", "int4_g32_asym_m2"])
+@pytest.mark.parametrize("name", ["int8_m200", "int4_g128_m16", "int4_g32_asym_m2",
+                                  "mxfp4_m5"])
 def test_mosaic_configs(name, config, platform):
     """The Mosaic kernel's tilings (consumers, split-K, ring depth, token tiles over
     several M tiles, which the registry sends to XLA) agree too."""
@@ -178,3 +239,42 @@ def test_mosaic_configs(name, config, platform):
     want, allowance = oracle(case, b["x"], qw)
     assert np.isfinite(y).all() and (np.abs(y - want) <= allowance).all(), (
         f"{name}/{config}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name", ["int4_m1", "int4_g128_m16", "int4_g64_m33", "int4_g32_m8",
+                                  "int4_g32_asym_m2"])
+def test_mosaic_int4_words(name, platform):
+    """int4 read as 16-bit words (`int4_words`: per channel, groups of 128 / 64 in one
+    piece, groups of 32 two a piece, zero points) agrees with the oracle."""
+    case = CASES[name]
+    b = build(case)
+    with jax.default_device(jax.devices(platform)[0]):
+        qw = quantize(b["w"], case.fmt)
+        y = jax.jit(functools.partial(mosaic_gpu_kernel.quantized_matmul_mgpu,
+                                      int4_words=True))(jnp.asarray(b["x"], case.dtype), qw)
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    want, allowance = oracle(case, b["x"], qw)
+    assert np.isfinite(y).all() and (np.abs(y - want) <= allowance).all(), (
+        f"{name}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
+
+
+@pytest.mark.parametrize("fmt,int4_words", [("int8", False), ("int4:g128", False),
+                                            ("int4:g32:asym", False), ("int4:g128", True),
+                                            ("int4:g32", True), ("mxfp4", False),
+                                            ("nvfp4", False)])
+def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, int4_words):
+    """The compiled (not interpreted) kernel lowers for a CUDA device from the CPU: every
+    op it uses has a Mosaic GPU lowering in its register layout (interpret mode runs the
+    same kernel as plain arrays and would not notice). Compiling it needs a GPU."""
+    kernel = mosaic_gpu_kernel.quantized_matmul_mgpu
+    monkeypatch.setattr(mosaic_gpu_kernel, "mosaic_interpret_params", lambda: None)
+    w = quantize(np.random.default_rng().standard_normal((128, 512)), fmt)
+    x = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16)
+    kernel.clear_cache()  # traced here without interpret mode: kept from no other test
+    try:
+        lowered = jax.jit(functools.partial(kernel, int4_words=int4_words)).trace(
+            x, w).lower(lowering_platforms=("cuda",))
+    finally:
+        kernel.clear_cache()
+    assert "mosaic_gpu" in lowered.as_text()
