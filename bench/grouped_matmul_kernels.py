@@ -2,7 +2,7 @@
 
   python bench/grouped_matmul_kernels.py [--quick] [--models qwen3,mixtral,gpt-oss]
       [--proj gate_up,down] [--tokens 1,8,64,512,4096] [--draws N] [--iters N] [--sweep]
-      [--xla-max-seconds S] [--max-minutes T] [--quantize FMT] [--fp4-in-registers]
+      [--xla-max-seconds S] [--max-minutes T] [--quantize FMT]
       [--out FILE.md] [--cpu-smoke]
 
 y = x @ W[e]^T per row's expert e, x [tokens * top_k, hidden] bf16 sorted by expert,
@@ -17,9 +17,7 @@ W [E, N, K] bf16 (`jaxinfer.ops.grouped_matmul`). Expert shapes:
 the floor then counts their stored bytes (values and scales), the reference dequantises
 the stack and runs ragged_dot, and ragged_dot_mgpu (bf16 only) gets the dequantised bf16
 stack: the bf16 kernel one would run instead. Formats the kernel does not upcast itself
-(fp8, mxfp4, ...) it takes dequantised whole first; with --fp4-in-registers, "ours" is
-the kernel streaming MXFP4 / NVFP4 as stored (`grouped_matmul_mgpu(...,
-fp4_in_registers=True)`, which the engine does not pick yet). The log also times
+(fp8, zero points, ...) it takes dequantised whole first. The log also times
 `grouped_matmul_rows` where it is the default at decode (float rows up to
 `ROW_REDUCE_MAX_M`, rows of those formats up to min(E, `QUANT_ROWS_MAX_M`)), and at one
 token for int8 / int4 experts, for comparison.
@@ -152,8 +150,6 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="a tiny shape, 1 and 8 tokens: a quick check that runs on the CPU")
     ap.add_argument("--quantize", help="expert weights in this format (int8, int4:g128, ...)")
-    ap.add_argument("--fp4-in-registers", action="store_true",
-                    help="ours: fp4 experts streamed as stored and upcast in registers")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
 
@@ -179,14 +175,9 @@ def main():
         header.append("not a GPU: host wall times; ours runs in Mosaic GPU interpret mode")
     print("\n".join(header), flush=True)
 
-    if a.fp4_in_registers:  # the kernel itself: the registry does not ask for this path
-        ours = jax.jit(functools.partial(grouped_matmul_mgpu, fp4_in_registers=True))
-        ours_aligned = jax.jit(functools.partial(grouped_matmul_mgpu, fp4_in_registers=True,
-                                                 groups_aligned=True))
-    else:
-        ours = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu"))
-        ours_aligned = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu",
-                                                 groups_aligned=True))
+    ours = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu"))
+    ours_aligned = jax.jit(functools.partial(grouped_matmul, implementation="mosaic_gpu",
+                                             groups_aligned=True))
     ref = jax.jit(functools.partial(grouped_matmul, implementation="reference"))
 
     def timed(label, fn, arg_sets) -> Cell:

@@ -78,7 +78,7 @@ On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode (te
 there the upcast box goes through shared memory (interpret mode has no register A
 operand). Constraints (else `unsupported_reason`): float weights in x's dtype or
 quantized ones; x bf16 or f16; N and K multiples of 64. Quantized experts the kernel does
-not upcast itself (fp8, MXFP4, zero points, groups of 32: `upcasts_in_registers`) are
+not upcast itself (fp8, zero points, groups of 32: `upcasts_in_registers`) are
 dequantised into a float stack by XLA first, which suits prefill sizes; at decode sizes
 the registry reduces their rows by row instead (`jaxinfer.ops.grouped_matmul_registry`).
 """
@@ -665,12 +665,11 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
 @functools.partial(jax.jit, static_argnames=("swiglu", "rows_sorted", "groups_aligned",
-                                             "config", "fp4_in_registers"))
+                                             "config"))
 def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,
                         row_groups: RowGroups | None = None, *, swiglu: bool = False,
                         rows_sorted: bool = True, groups_aligned: bool = False,
-                        config: Config | None = None,
-                        fp4_in_registers: bool = False) -> jax.Array:
+                        config: Config | None = None) -> jax.Array:
     """x [M, K], W [E, N, K] (float, or a quantized stack), group_sizes [E] -> [M, N]
     (see the module docstring). row_groups: the per-row table (`build_row_items`), if the
     caller has it; rows_sorted False: the rows are not in group order (`RowGroups`).
@@ -678,13 +677,10 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     epilogue on the per-row path (decode), applied after the kernel otherwise (the two
     [64, width] accumulators of a prefill tile would not fit the registers).
     groups_aligned: the caller promises group sizes in multiples of 8 rows (the fast
-    epilogue; ignored where M is not a multiple of 8 or the per-row table is used).
-    fp4_in_registers: fp4 stacks streamed as stored and upcast in registers
-    (`upcasts_in_registers`), not dequantised first: off until checked on a GPU."""
+    epilogue; ignored where M is not a multiple of 8 or the per-row table is used)."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic grouped matmul: {reason}")
-    if isinstance(w, QuantizedWeight) and not upcasts_in_registers(w, x.dtype,
-                                                                   fp4_in_registers):
+    if isinstance(w, QuantizedWeight) and not upcasts_in_registers(w, x.dtype):
         # Whole-stack dequantisation: a cost for prefill sizes; the registry reduces decode
         # rows of these formats by row instead (`jaxinfer.ops.grouped_matmul_registry`).
         w = dequantize(w, x.dtype)
@@ -726,8 +722,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     if not rows_sorted and not row_items(m, e, cfg):
         # The item table walks the rows in group order.
         return in_group_order(lambda x: grouped_matmul_mgpu(
-            x, w, group_sizes, swiglu=swiglu, config=config,
-            fp4_in_registers=fp4_in_registers), x, row_groups)
+            x, w, group_sizes, swiglu=swiglu, config=config), x, row_groups)
     if fp4_groups:  # words of four codes; x's columns in the nibbles' order
         values, x_in = nibble_words.words(w.values), nibble_words.x_word_blocks(x_in)
         scale_rows = w.scales
@@ -803,14 +798,14 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     return swiglu_halves(y, x.dtype) if swiglu and not fused else y
 
 
-def upcasts_in_registers(w: QuantizedWeight, x_dtype=None, fp4: bool = False) -> bool:
+def upcasts_in_registers(w: QuantizedWeight, x_dtype=None) -> bool:
     """Whether the kernel streams these quantized weights as stored and upcasts them in
-    registers: symmetric int8 / int4, per channel or in groups of a multiple of PIECE; with
-    `fp4`, MXFP4 / NVFP4 against bf16 x (`jaxinfer.mosaic.nibble_words`; off by default until
-    checked on a GPU). Others (fp8, zero points, groups of 32) it takes dequantised into a
+    registers: symmetric int8 / int4, per channel or in groups of a multiple of PIECE;
+    MXFP4 / NVFP4 against bf16 x (`jaxinfer.mosaic.nibble_words`; x_dtype None: bf16).
+    Others (fp8, zero points, groups of 32, fp4 against f16 x) it takes dequantised into a
     float stack by XLA first."""
     if w.kind == "fp4":
-        return fp4 and x_dtype in (None, jnp.bfloat16)
+        return x_dtype in (None, jnp.bfloat16)
     return (w.kind in ("int8", "int4") and w.offsets is None
             and (w.group_size == w.shape[2] or w.group_size % PIECE == 0))
 

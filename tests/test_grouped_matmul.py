@@ -211,16 +211,21 @@ PICKS = [
     (described(ROW_REDUCE_MAX_M + 1, 16, rows_sorted=False), "mosaic_gpu", "pallas_tpu"),
     (described(8, 8), "mosaic_gpu", "pallas_tpu"),  # sorted float rows
     (described(8, 8, row_groups=False), "mosaic_gpu", "pallas_tpu"),
-    # Decode rows of formats the Mosaic kernel would dequantise whole (MXFP4, zero points,
-    # groups of 32, fp8), up to min(E, QUANT_ROWS_MAX_M) rows, sorted or not: by row.
-    (described(16, 32, "mxfp4"), "row_reduce", "pallas_tpu"),
-    (described(33, 32, "mxfp4"), "mosaic_gpu", "pallas_tpu"),
-    (described(16, 32, "mxfp4", row_groups=False), "mosaic_gpu", "pallas_tpu"),
+    # Decode rows of formats the Mosaic kernel would dequantise whole (zero points, groups
+    # of 32, fp8, fp4 against f16 rows), up to min(E, QUANT_ROWS_MAX_M) rows, sorted or
+    # not: by row.
+    (described(16, 32, "int8:g32"), "row_reduce", "pallas_tpu"),
+    (described(33, 32, "int8:g32"), "mosaic_gpu", "pallas_tpu"),
+    (described(16, 32, "int8:g32", row_groups=False), "mosaic_gpu", "pallas_tpu"),
+    (described(16, 32, "mxfp4", dtype=jnp.float16), "row_reduce", "pallas_tpu"),
     (described(QUANT_ROWS_MAX_M, 256, "fp8:weight-only"), "row_reduce", "pallas_tpu"),
     (described(QUANT_ROWS_MAX_M + 8, 256, "fp8:weight-only"), "mosaic_gpu", "pallas_tpu"),
     (described(8, 8, "int4:g32:asym", rows_sorted=False), "row_reduce", "pallas_tpu"),
-    # int8 / int4 experts the kernel upcasts in registers: the kernel, even at one token.
+    # int8 / int4 / fp4 experts the kernel upcasts in registers: the kernel, even at one
+    # token.
     (described(8, 8, "int8", rows_sorted=False), "mosaic_gpu", "pallas_tpu"),
+    (described(4, 32, "mxfp4", rows_sorted=False), "mosaic_gpu", "pallas_tpu"),
+    (described(16, 32, "nvfp4"), "mosaic_gpu", "pallas_tpu"),
     (described(1, 8, "int4:g128", rows_sorted=False), "mosaic_gpu", "pallas_tpu"),
     # Inputs the kernels do not take: float32 rows (Mosaic), N not a multiple of 128 (TPU).
     (described(40, 4, dtype=jnp.float32), "reference", "pallas_tpu"),
@@ -246,7 +251,7 @@ def test_row_reduce_reasons_name_the_rule(monkeypatch):
     monkeypatch.setattr(platform_module, "platform", lambda: "hopper")
     reasons = REGISTRY.reasons(described(ROW_REDUCE_MAX_M + 1, 16, rows_sorted=False))
     assert "ROW_REDUCE_MAX_M" in reasons["row_reduce"]
-    assert "QUANT_ROWS_MAX_M" in REGISTRY.reasons(described(33, 32, "mxfp4"))["row_reduce"]
+    assert "QUANT_ROWS_MAX_M" in REGISTRY.reasons(described(33, 32, "int8:g32"))["row_reduce"]
     assert "upcasts" in REGISTRY.reasons(described(8, 8, "int8"))["row_reduce"]
 
 

@@ -9,7 +9,6 @@ cases run natively under `pytest -m gpu`.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import jax
@@ -119,23 +118,22 @@ QUANT_CASES = [
     ("int4_g128_aligned_256", 512, 2, 128, 256, [264, 248],
      Config(max_rows=256, compute_wgs=1, k_pieces=1, num_stages=2, num_ctas=2), "int4:g128",
      dict(groups_aligned=True)),
-    # fp4 streamed as words and upcast in registers (`fp4_in_registers`): two (MXFP4) or
+    # fp4 streamed as words and upcast in registers (`nibble_words`): two (MXFP4) or
     # four (NVFP4) scale groups a piece; split K on per-row items, the fused swiglu, wide
     # windows of the item table.
     ("mxfp4_split_k_rows", 10, 12, 256, 256, [3, 0, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1],
      Config(max_rows=32, compute_wgs=2, k_pieces=2, num_stages=2, num_ctas=3, split_k=True),
-     "mxfp4", dict(fp4_in_registers=True)),
+     "mxfp4", {}),
     ("nvfp4_swiglu_rows", 10, 12, 256, 128, [3, 0, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1],
      Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=3), "nvfp4",
-     dict(swiglu=True, fp4_in_registers=True)),
+     dict(swiglu=True)),
     ("nvfp4_wide_windows", 320, 2, 128, 128, [150, 100],
      Config(max_rows=128, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2, last_extra=32),
-     "nvfp4", dict(fp4_in_registers=True)),
+     "nvfp4", {}),
 ]
 
 
-def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=False, fmt=None,
-             fp4_in_registers=False):
+def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=False, fmt=None):
     rng = np.random.default_rng(0)
     with jax.default_device(jax.devices(platform)[0]):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -143,15 +141,14 @@ def run_case(m, e, n, k, sizes, cfg, platform, swiglu=False, groups_aligned=Fals
         w = quantize(w, fmt) if fmt else jnp.asarray(w, jnp.bfloat16)
         gs = jnp.asarray(sizes, jnp.int32)
         got = np.asarray(grouped_matmul_mgpu(x, w, gs, swiglu=swiglu, config=cfg,
-                                             groups_aligned=groups_aligned,
-                                             fp4_in_registers=fp4_in_registers)
+                                             groups_aligned=groups_aligned)
                          .astype(jnp.float32))
         want = np.asarray(grouped_matmul_reference(x, w, gs, swiglu=swiglu)
                           .astype(jnp.float32))
         if row_items(m, e, cfg):  # the per-row table passed in (group sizes unread): same
             table = build_row_items(gs, m)
             passed = grouped_matmul_mgpu(x, w, jnp.zeros_like(gs), table, swiglu=swiglu,
-                                         config=cfg, fp4_in_registers=fp4_in_registers)
+                                         config=cfg)
             np.testing.assert_array_equal(np.asarray(passed.astype(jnp.float32)), got)
     assert got.shape == (m, n // 2 if swiglu else n)
     assert np.isfinite(got).all(), "unwritten output rows"
@@ -322,8 +319,8 @@ def test_kernel_lowers_for_hopper(monkeypatch, fmt, m):
     sizes = jax.ShapeDtypeStruct((12,), jnp.int32)
     kernel.grouped_matmul_mgpu.clear_cache()  # traced here without interpret mode
     try:
-        lowered = jax.jit(functools.partial(kernel.grouped_matmul_mgpu, fp4_in_registers=True)
-                          ).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(kernel.grouped_matmul_mgpu).trace(x, w, sizes).lower(
+            lowering_platforms=("cuda",))
     finally:
         kernel.grouped_matmul_mgpu.clear_cache()
     assert "mosaic_gpu" in lowered.as_text()

@@ -100,8 +100,9 @@ PICKS = [
     (described(MAX_KERNEL_M + 1, 256, 512, "int8"), dict(tpu="pallas_tpu")),
     # Formats the Mosaic kernel does not take (fp8) or shapes it cannot tile.
     (described(1, 256, 512, "fp8"), dict(tpu="pallas_tpu")),
-    # fp4: the Mosaic kernel's path is taken only when forced until checked on a GPU.
-    (described(1, 256, 512, "nvfp4"), dict(tpu="pallas_tpu")),
+    # fp4 (MXFP4 / NVFP4): the Mosaic kernel reads its codes as words.
+    (described(1, 256, 512, "nvfp4"), dict(hopper="mosaic_gpu", tpu="pallas_tpu")),
+    (described(MAX_KERNEL_M, 256, 512, "mxfp4"), dict(hopper="mosaic_gpu", tpu="pallas_tpu")),
     (described(1, 96, 512, "int8"), {}),  # N: neither kernel's multiple
     (described(1, 256, 512, "int8", jnp.float32), {}),  # float32 activations
 ]
@@ -129,7 +130,6 @@ def test_reasons_name_the_rule(monkeypatch):
     reasons = REGISTRY.reasons(described(1, 256, BIG_K - 64, None))
     assert "ONE_ROW_REDUCE_MIN_K" in reasons["one_row_reduce"]
     assert "fp8" in REGISTRY.reasons(described(1, 256, 512, "fp8"))["mosaic_gpu"]
-    assert "fp4" in REGISTRY.reasons(described(1, 256, 512, "mxfp4"))["mosaic_gpu"]
     with pytest.raises(ValueError, match="expected one of"):
         REGISTRY.pick(described(1, 256, 512, None), "no_such_implementation")
 

@@ -70,7 +70,7 @@ def _row_reduce_supports(call: GroupedMatmulCall) -> str | None:
             return (f"{m} rows of float weights: more than ROW_REDUCE_MAX_M "
                     f"({ROW_REDUCE_MAX_M}), where the kernel is faster")
         return None
-    if mosaic_gpu_kernel.upcasts_in_registers(call.w):
+    if mosaic_gpu_kernel.upcasts_in_registers(call.w, call.x.dtype):
         return (f"{call.w.kind} weights the Mosaic kernel upcasts in registers: faster "
                 "there")
     if m > min(e, QUANT_ROWS_MAX_M):

@@ -5,9 +5,8 @@ describes the call (`LinearCall`), asks `REGISTRY.pick` for the first implementa
 supports it, and runs it. Every implementation ends with the contract's bias / row-scale
 epilogue (`linear_epilogue`).
 
-  mosaic_gpu      the Mosaic GPU quantized matmul: Hopper, int8 / int4 weight-only
-                  `QuantizedWeight`s, up to MAX_KERNEL_M rows (decode); its fp4
-                  (MXFP4 / NVFP4) path only when forced, until checked on a GPU
+  mosaic_gpu      the Mosaic GPU quantized matmul: Hopper, int8 / int4 / fp4 (MXFP4,
+                  NVFP4) weight-only `QuantizedWeight`s, up to MAX_KERNEL_M rows (decode)
   pallas_tpu      the Pallas TPU quantized matmul: TPU, `QuantizedWeight`s
   one_row_reduce  XLA, float weights: one row (batch-1 decode) with K >= ONE_ROW_REDUCE_MIN_K
                   as a multiply and a row reduction, on every platform
@@ -68,11 +67,6 @@ def _quantized_reason(call: LinearCall) -> str | None:
 def _mosaic_gpu_supports(call: LinearCall) -> str | None:
     if (reason := needs("hopper") or _quantized_reason(call)) is not None:
         return reason
-    if call.weight.kind == "fp4":
-        # The kernel's fp4 path passes its oracle cases in interpret mode and lowers for
-        # Hopper; it is picked once it has passed them on a GPU (`pytest -m gpu`) and been
-        # timed against the reference (bench/quantized_matmul_kernels.py --force-kernel).
-        return "fp4 weights: the kernel's fp4 path is not yet checked on a GPU"
     if call.rows > MAX_KERNEL_M:
         return (f"{call.rows} rows: more than MAX_KERNEL_M ({MAX_KERNEL_M}), where XLA is "
                 "faster")
