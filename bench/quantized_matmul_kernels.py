@@ -23,12 +23,12 @@ table per weight shape, one row per (M, format):
               and y are left out, and it has no scales. The first TuningConfig of a short list
               that compiles and agrees with XLA is timed.
   ours        `linear(x, w)` as the engine dispatches it on Hopper: the Mosaic
-              kernel for int8 / int4 (per channel or group 128) up to 16 tokens (32 when
-              measured), above that the XLA reference (fused dequant); fp8 W8A8 and
+              kernel for int8 / int4 (per channel or group 128) / mxfp4 / nvfp4 up to 16
+              tokens, above that the XLA reference (fused dequant); fp8 W8A8 and
               weight-only run XLA's fp8 dot / fused dequant. `--force-kernel`: the Mosaic
-              kernel wherever it takes the inputs (its fp4 path, which the engine does
-              not pick yet), "n/a" elsewhere; `--int4-words` (with it): int4 read as
-              16-bit words (`int4_words`), the kernel called directly. Before timing, its
+              kernel wherever it takes the inputs, "n/a" elsewhere; `--int4-words`
+              (with it): int4 read as 16-bit words (`int4_words`), the kernel called
+              directly. Before timing, its
               output is checked against the XLA reference on the same inputs
               (max |ours - ref| <= 2e-2 max |ref| weight-only, 1e-1 W8A8): "FAIL" if not.
   % floor     floor / time (for M <= 16 the floor is the bandwidth one).
@@ -208,7 +208,7 @@ def main():
     ap.add_argument("--no-ours", action="store_true", help="skip the Mosaic GPU column")
     ap.add_argument("--force-kernel", action="store_true",
                     help="ours: the Mosaic kernel wherever it takes the inputs, even where "
-                         "the engine would not pick it (fp4)")
+                         "the engine would not pick it (above 16 tokens)")
     ap.add_argument("--int4-words", action="store_true",
                     help="with --force-kernel: int4 read as 16-bit words (`int4_words`)")
     ap.add_argument("--no-stock", action="store_true", help="skip jax's stock kernel")

@@ -46,12 +46,12 @@ def x_word_blocks(x: jax.Array, piece: int = PIECE) -> jax.Array:
     return x.reshape(m, k // piece, w, PER_WORD).transpose(1, 3, 0, 2).reshape(k // w, m, w)
 
 
-def group_scales(load_scale, groups: int, shape: tuple[int, int], exp: int = SCALE_EXP
-                 ) -> jax.Array:
-    """The bf16 scale array [rows, W] of a piece holding `groups` groups:
-    load_scale(j) -> group j's float32 scales [rows] (in WGMMA.reduce(1) layout), times
-    2^exp, each over its word columns."""
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+def group_scales(load_scale, groups: int, shape: tuple[int, int], exp: int = SCALE_EXP,
+                 layout=plgpu.Layout.WGMMA) -> jax.Array:
+    """The bf16 scale array [rows, W] of a piece holding `groups` groups, in `layout` (the
+    words' own): load_scale(j) -> group j's float32 scales [rows] (in layout.reduce(1)),
+    times 2^exp, each over its word columns."""
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
     words_per_group = shape[1] // groups
     out = None
     for j in reversed(range(groups)):

@@ -21,6 +21,11 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
   accumulator for the whole K loop; a step's slot returns to the producer once
   the next step's MMAs are issued and its own have finished. Per-channel scales
   are applied once at the end.
+- Or (`Config.mma_sync`, the default for 4-bit weights in 8-token tiles) each warp
+  of a consumer runs mma.sync m16n8k16 on its 16 of the 64 weight rows: the pieces
+  load straight into the MMA_LHS layout and upcast there (no relayout), the tokens
+  load transposed from the same shared tile, group scales multiply each piece's
+  float32 partial sums, and the accumulator is a loop value.
 - Split-K over the grid fills the SMs when N / 64 alone would not. Every
   (split, consumer) writes float32 partial sums [64, tile_m]; XLA adds them up,
   transposes back to [M, N] and, for asymmetric formats, adds the offset term
@@ -69,6 +74,14 @@ class Config:
     num_stages: int = 4  # steps in flight
     compute_wgs: int = 2  # consumer warpgroups per CTA (1 or 2), splitting each step's pieces
     k_splits: int = 1  # K splits across CTAs (split-K)
+    # Warp-level mma.sync (m16n8k16: each warp its 16 of the 64 weight rows) in place of
+    # wgmma. A wgmma m64n8k16 with a register operand took ~90 SM cycles whatever its N (8
+    # or 16) and however many warpgroups issued them, which caps the wgmma form at ~3 T
+    # weights/s on 132 SMs: int4 at ~45% of the H200's bytes floor (bench/NOTES.md, Linear
+    # and quantized matmul: mma.sync in place of wgmma). With mma.sync, group scales
+    # multiply each piece's float32 partial sums [64, tile_m] instead of its weights, and a
+    # step's slot goes back to the producer as soon as its products return.
+    mma_sync: bool = False
 
 
 # Token tiles wider than 16 give wrong sums on the GPU at times (tile_m 32 failed one GPU
@@ -102,7 +115,9 @@ def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: 
                   scales_per_piece: int = 0, interpret: bool = False) -> Config:
     """Static heuristics for the memory-bound regime (small M): split K until the grid
     covers the SMs once (a second wave of one-CTA-per-SM blocks would idle the tail), then
-    about 32 KB of weights per step, four steps in flight, two consumer warpgroups."""
+    about 32 KB of weights per step, four steps in flight, two consumer warpgroups; 4-bit
+    weights in 8-token tiles take mma.sync (1.05-1.23x wgmma at one token on the H200;
+    16-token tiles and int8 not yet timed with it)."""
     tile_m = max(8, -(-min(m, MAX_TILE_M) // 8) * 8)
     total_pieces = k // piece
     wgs = 2 if total_pieces % 2 == 0 else 1
@@ -115,7 +130,7 @@ def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: 
     while per_split % pps or per_split // pps < 2 and pps > wgs:
         pps -= wgs
     cfg = Config(tile_m=tile_m, pieces_per_step=pps, num_stages=4, compute_wgs=wgs,
-                 k_splits=splits)
+                 k_splits=splits, mma_sync=value_bits == 4 and tile_m == 8)
     while _smem_bytes(cfg, piece, value_bits, x_bytes, scales_per_piece, interpret) > SMEM_BYTES:
         if cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -173,8 +188,67 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
 
         lax.fori_loop(0, steps, produce, ())
 
-    @pl.when(wg < wgs)
-    def _consumer():
+    def sync_consumer():
+        plgpu.set_max_registers(232, action="increase")
+        dtype = x_smem.dtype
+        lhs, rhs, acc_layout = (plgpu.Layout.MMA_LHS(dtype), plgpu.Layout.MMA_RHS(dtype),
+                                plgpu.Layout.MMA_ACC(dtype))
+        rows_layout = acc_layout.reduce(1)  # a value per weight row, as the accumulator
+
+        def mma(acc, w, x_tile):
+            """acc [64, tm] f32 + w [64, k] @ x_tile^T ([tm, k] in shared memory)."""
+            if interpret:  # interpret mode has no mma.sync; layouts are ignored there
+                return acc + jnp.dot(w.astype(jnp.float32),
+                                     x_tile[...].astype(jnp.float32).T)
+            return plgpu.mma(acc, w, plgpu.load(x_tile.transpose((1, 0)), (), layout=rhs))
+
+        def zeros():
+            return plgpu.layout_cast(jnp.zeros((ROWS, cfg.tile_m), jnp.float32), acc_layout)
+
+        def step(i, acc):
+            slot = lax.rem(i, jnp.int32(stages))
+            plgpu.barrier_wait(ready.at[slot])
+            for j in range(0, pps, wgs):
+                p = j + wg if wgs > 1 else j
+                if words:
+                    word_array = plgpu.load(w_smem.at[slot, p], (), layout=lhs)
+                    scales = None if not grouped else nibble_words.group_scales(
+                        lambda g, slot=slot, p=p: plgpu.load(
+                            s_smem.at[slot, p, g], (), layout=lhs.reduce(1)),
+                        scales_per_piece, word_array.shape,
+                        nibble_words.SCALE_EXP if words == "fp4" else 0, layout=lhs)
+                    for nib in range(nibble_words.PER_WORD):
+                        if words == "fp4":
+                            w = nibble_words.nibble_weights(word_array, nib, scales, interpret)
+                        else:
+                            w = nibble_words.int4_nibble_weights(word_array, nib, scales)
+                        acc = mma(acc, w, x_smem.at[slot, p, nib])
+                    continue
+                w = plgpu.load(w_smem.at[slot, p], (), layout=lhs).astype(dtype)
+                if grouped:  # the piece's group scale on its float32 partial sums
+                    part = mma(zeros(), w, x_smem.at[slot, p])
+                    scale = plgpu.load(s_smem.at[slot, p, 0], (), layout=rows_layout)
+                    acc = acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+                else:
+                    acc = mma(acc, w, x_smem.at[slot, p])
+
+            # mma.sync is done with the slot once it returns.
+            @pl.when(i + stages < steps)
+            def _():
+                plgpu.barrier_arrive(free.at[slot])
+            return acc
+
+        acc = lax.fori_loop(0, steps, step, zeros())
+        if not grouped:
+            scale = plgpu.load(scales_ref.at[0, 0, n_blk], (), layout=rows_layout,
+                               optimized=False)
+            acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+        o_smem.at[wg][...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[split * wgs + wg, n_blk, m_blk])
+        plgpu.wait_smem_to_gmem(0)
+
+    def wgmma_consumer():
         plgpu.set_max_registers(232, action="increase")
 
         def a_operand(w):
@@ -247,6 +321,8 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[split * wgs + wg, n_blk, m_blk])
         plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg < wgs)(sync_consumer if cfg.mma_sync else wgmma_consumer)
 
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.

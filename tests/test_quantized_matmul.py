@@ -218,6 +218,7 @@ MOSAIC_CONFIGS = {
     "split_k_2": dict(k_splits=2, pieces_per_step=2, num_stages=2),
     "deep_ring": dict(pieces_per_step=2, num_stages=4),
     "tile_m_8": dict(tile_m=8, pieces_per_step=2, num_stages=2),
+    "mma_sync": dict(mma_sync=True, pieces_per_step=2, num_stages=2),
 }
 
 
@@ -259,11 +260,27 @@ def test_mosaic_int4_words(name, platform):
         f"{name}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
 
 
-@pytest.mark.parametrize("fmt,int4_words", [("int8", False), ("int4:g128", False),
-                                            ("int4:g32:asym", False), ("int4:g128", True),
-                                            ("int4:g32", True), ("mxfp4", False),
-                                            ("nvfp4", False)])
-def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, int4_words):
+def test_mosaic_picks_mma_sync_for_4_bit_weights_in_8_token_tiles():
+    """mma.sync where it was timed faster (4-bit weights, 8-token tiles), wgmma elsewhere."""
+    choose = mosaic_gpu_kernel.choose_config
+    assert choose(1, 4096, 4096, 128, 4).mma_sync
+    assert choose(8, 4096, 4096, 64, 4).mma_sync
+    assert not choose(16, 4096, 4096, 128, 4).mma_sync  # 16-token tiles
+    assert not choose(1, 4096, 4096, 128, 8).mma_sync  # int8
+
+
+SYNC = mosaic_gpu_kernel.Config(mma_sync=True, tile_m=8, pieces_per_step=2, num_stages=2)
+
+
+@pytest.mark.parametrize("fmt,options", [
+    ("int8", {}), ("int4:g128", {}), ("int4:g32:asym", {}),
+    ("int4:g128", dict(int4_words=True)), ("int4:g32", dict(int4_words=True)),
+    ("mxfp4", {}), ("nvfp4", {}),
+    # mma.sync in place of wgmma: per-channel and group-wise, fp4 and int4 words.
+    ("int8", dict(config=SYNC)), ("int4:g128", dict(config=SYNC)),
+    ("int4:g32:asym", dict(config=SYNC)), ("int4:g128", dict(config=SYNC, int4_words=True)),
+    ("mxfp4", dict(config=SYNC)), ("nvfp4", dict(config=SYNC))])
+def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, options):
     """The compiled (not interpreted) kernel lowers for a CUDA device from the CPU: every
     op it uses has a Mosaic GPU lowering in its register layout (interpret mode runs the
     same kernel as plain arrays and would not notice). Compiling it needs a GPU."""
@@ -273,7 +290,7 @@ def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, int4_words):
     x = jax.ShapeDtypeStruct((3, 512), jnp.bfloat16)
     kernel.clear_cache()  # traced here without interpret mode: kept from no other test
     try:
-        lowered = jax.jit(functools.partial(kernel, int4_words=int4_words)).trace(
+        lowered = jax.jit(functools.partial(kernel, **options)).trace(
             x, w).lower(lowering_platforms=("cuda",))
     finally:
         kernel.clear_cache()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The 4-bit weight kernels on the device: the dense and grouped quantized matmuls' GPU
+# tests, then their kernel tables (fp4 and int4 dense, int4 as 16-bit words, MXFP4 experts);
+# logs and tables under $OUT.
+#   device run: bash bench/gpu_fp4.sh [part...]   (parts: tests dense words grouped sweep
+#   gpt-oss; carry: .whl, from `pip wheel --no-deps . -w .whl`)
+# sweep: the dense kernel's configurations (bench/quantized_matmul_sweep.py); gpt-oss: the
+# gpt-oss-20b shape's batch-1 decode in bf16 and with MXFP4 experts (GPT_OSS_FORMATS).
+source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+for part in ${*:-tests dense words grouped}; do
+  case $part in
+  tests)
+    timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest "$REPO/tests/test_quantized_matmul.py" \
+      "$REPO/tests/test_grouped_matmul_mosaic.py" -c "$REPO/pyproject.toml" --rootdir "$REPO" \
+      -m gpu --import-mode=importlib -q -rs -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
+      > "$OUT/fp4_tests.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/fp4_tests.log" | tail -25 ;;
+  dense)
+    timeout -k 5 150 python3 "$REPO/bench/quantized_matmul_kernels.py" --shapes llama \
+      --ms 1,16 --formats mxfp4,nvfp4,int4,int4:g128 --force-kernel --no-stock --max-minutes 2 \
+      --out "$OUT/fp4_dense.md" > "$OUT/fp4_dense.log" 2>&1
+    grep -v "^WARNING" "$OUT/fp4_dense.md" 2>/dev/null || tail -20 "$OUT/fp4_dense.log" ;;
+  words)
+    timeout -k 5 120 python3 "$REPO/bench/quantized_matmul_kernels.py" --shapes llama \
+      --ms 1,16 --formats int4,int4:g128 --force-kernel --int4-words --no-stock \
+      --max-minutes 1.5 --out "$OUT/int4_words.md" > "$OUT/int4_words.log" 2>&1
+    grep -v "^WARNING" "$OUT/int4_words.md" 2>/dev/null || tail -20 "$OUT/int4_words.log" ;;
+  grouped)
+    timeout -k 5 150 python3 "$REPO/bench/grouped_matmul_kernels.py" --models gpt-oss \
+      --quantize mxfp4 --tokens 1,8,64 --no-mgpu --max-minutes 2 \
+      --out "$OUT/fp4_grouped.md" > "$OUT/fp4_grouped.log" 2>&1
+    grep -v "^WARNING" "$OUT/fp4_grouped.md" 2>/dev/null || tail -20 "$OUT/fp4_grouped.log" ;;
+  sweep)
+    timeout -k 5 ${SWEEP_TIMEOUT:-260} python3 "$REPO/bench/quantized_matmul_sweep.py" \
+      --shapes ${SWEEP_SHAPES:-decode} --formats ${SWEEP_FORMATS:-int4:g128,mxfp4} \
+      --ms ${SWEEP_MS:-1} --wgs ${SWEEP_WGS:-1,2} --mma ${SWEEP_MMA:-wgmma,sync} \
+      --max-minutes ${SWEEP_MINUTES:-3.5} --out "$OUT/sweep.md" > "$OUT/sweep.log" 2>&1
+    grep -v "^WARNING" "$OUT/sweep.md" 2>/dev/null || tail -20 "$OUT/sweep.log" ;;
+  gpt-oss)
+    for fmt in ${GPT_OSS_FORMATS:-bf16 mxfp4}; do  # bf16: no --quantize
+      timeout -k 5 240 python3 -m jaxinfer.cli.main bench latency --preset gpt-oss-20b \
+        --batch 1 --input-len 512 --output-len 128 --kv-cache-gb 8 --decode-steps 32 \
+        $([ $fmt = bf16 ] || echo --quantize $fmt) --json "$OUT/gpt_oss_$fmt.json" > "$OUT/gpt_oss_$fmt.log" 2>&1
+      grep -v "^WARNING" "$OUT/gpt_oss_$fmt.log" | tail -6
+    done ;;
+  esac
+done
