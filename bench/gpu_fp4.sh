@@ -34,7 +34,7 @@ for part in ${*:-tests dense words grouped}; do
   sweep)
     timeout -k 5 ${SWEEP_TIMEOUT:-260} python3 "$REPO/bench/quantized_matmul_sweep.py" \
       --shapes ${SWEEP_SHAPES:-decode} --formats ${SWEEP_FORMATS:-int4:g128,mxfp4} \
-      --ms ${SWEEP_MS:-1} --wgs ${SWEEP_WGS:-1,2} --mma ${SWEEP_MMA:-wgmma,sync} \
+      --ms ${SWEEP_MS:-1} --wgs ${SWEEP_WGS:-1,2} --mma ${SWEEP_MMA:-wgmma,sync,words32} \
       --max-minutes ${SWEEP_MINUTES:-3.5} --out "$OUT/sweep.md" > "$OUT/sweep.log" 2>&1
     grep -v "^WARNING" "$OUT/sweep.md" 2>/dev/null || tail -20 "$OUT/sweep.log" ;;
   gpt-oss)

@@ -3,13 +3,13 @@
 pieces a step, K splits and MMA form, each checked against the XLA reference first.
 
   python bench/quantized_matmul_sweep.py [--shapes decode] [--formats int4:g128,mxfp4]
-      [--ms 1,16] [--wgs 1,2] [--mma wgmma,sync] [--max-minutes T] [--out FILE.md]
+      [--ms 1,16] [--wgs 1,2] [--mma wgmma,sync,words32] [--max-minutes T] [--out FILE.md]
 
-Columns: config (wgmma or mma.sync, wgs consumers, pps pieces a step, st ring stages, ks K
-splits), kernel time
-(CUPTI median over weights cycled past the L2, as bench/quantized_matmul_kernels.py), % of
-the bytes floor (weight bytes as stored at the copy rate measured in this run) and the ratio
-to the default. "FAIL" where the output disagrees with the reference (2e-2 of max |ref|).
+Columns: config (wgmma, mma.sync or words32: int4 as 32-bit words under mma.sync; wgs
+consumers, pps pieces a step, st ring stages, ks K splits), kernel time (CUPTI median over
+weights cycled past the L2, as bench/quantized_matmul_kernels.py), % of the bytes floor
+(weight bytes as stored at the copy rate measured in this run) and the ratio to the
+default. "FAIL" where the output disagrees with the reference (2e-2 of max |ref|).
 """
 
 from __future__ import annotations
@@ -44,27 +44,32 @@ SHAPES = {  # (name, N, K)
 }
 
 
-def neighbours(default: qmm.Config, total_pieces: int, wgs_list, sync_list
-               ) -> list[qmm.Config]:
+MMA_FORMS = {"wgmma": dict(mma_sync=False, words32=False),
+             "sync": dict(mma_sync=True, words32=False),
+             "words32": dict(mma_sync=True, words32=True)}  # int4 only
+
+
+def neighbours(default: qmm.Config, total_pieces: int, wgs_list, forms) -> list[qmm.Config]:
     """The default, then configs that tile the same K with other consumer counts, pieces a
-    step, K splits and MMA instructions (wgmma or mma.sync; a config that does not fit the
-    shared memory fails to lower and is reported as n/a)."""
+    step, K splits and MMA forms (`MMA_FORMS`; a config the kernel does not take, or that
+    does not fit the shared memory, is reported as n/a)."""
     out = [default]
-    for sync in sync_list:
+    for form in forms:
         for wgs in wgs_list:
             for pps in sorted({wgs, 2 * wgs, 4 * wgs, 8 * wgs}):
                 for splits in sorted({default.k_splits, default.k_splits * 2}):
                     if total_pieces % (pps * splits) or total_pieces // (pps * splits) < 2:
                         continue
                     cfg = dataclasses.replace(default, compute_wgs=wgs, pieces_per_step=pps,
-                                              k_splits=splits, mma_sync=sync)
+                                              k_splits=splits, **MMA_FORMS[form])
                     if cfg not in out:
                         out.append(cfg)
     return out
 
 
 def label(cfg: qmm.Config) -> str:
-    return (f"{'mma.sync' if cfg.mma_sync else 'wgmma'} wgs {cfg.compute_wgs} pps "
+    form = "words32" if cfg.words32 else "mma.sync" if cfg.mma_sync else "wgmma"
+    return (f"{form} wgs {cfg.compute_wgs} pps "
             f"{cfg.pieces_per_step} st {cfg.num_stages} ks {cfg.k_splits}")
 
 
@@ -74,7 +79,8 @@ def main():
     ap.add_argument("--formats", default="int4:g128,mxfp4")
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--wgs", default="1,2", help="consumer warpgroup counts to try")
-    ap.add_argument("--mma", default="wgmma,sync", help="MMA forms to try: wgmma, sync")
+    ap.add_argument("--mma", default="wgmma,sync",
+                    help=f"MMA forms to try: {', '.join(MMA_FORMS)}")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-minutes", type=float, default=6.0)
     ap.add_argument("--top", type=int, default=6, help="rows a table keeps (fastest first)")
@@ -104,7 +110,7 @@ def main():
                 rows = []
                 for cfg in neighbours(default, k // piece,
                                       [int(v) for v in a.wgs.split(",")],
-                                      [v == "sync" for v in a.mma.split(",")]):
+                                      a.mma.split(",")):
                     if time.perf_counter() > deadline:
                         break
                     fn = jax.jit(functools.partial(qmm.quantized_matmul_mgpu, config=cfg))

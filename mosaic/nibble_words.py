@@ -21,9 +21,13 @@ word j): each nibble becomes a bf16 with integer ops, already in wgmma's A layou
 from __future__ import annotations
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, vector
 
 PER_WORD = 4  # 4-bit codes per 16-bit word
 PIECE = 64  # fp4's K elements per piece: 16 words a row, one k16 wgmma per nibble
@@ -90,3 +94,80 @@ def int4_nibble_weights(word_array, i: int, scales=None):
                                       jnp.bfloat16)
     w = biased - jnp.bfloat16(136)
     return w if scales is None else w * scales
+
+
+# --- int4 as 32-bit words in mma.sync's operand layout -------------------------------------
+#
+# A [64, 8] tile of uint32 words (eight codes each, code 8c + i in nibble i of word c) loaded
+# in MMA_LHS(uint32) gives a thread the words (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4):
+# the four registers of an m16n8k16 bf16 A operand sit at the same rows and column halves.
+# One shift and one lop3 make nibbles (j, j + 4) of a word a bf16 pair (CUTLASS's int4 ->
+# bf16 conversion), so chunk j of a tile takes pair j of each of the four words: no
+# relayout, no 16-bit packing. Its column L = 8h + 2t + e is word column t + 4h, nibble
+# j + 4e: K element 32h + 8t + 4e + j of the tile, and x is permuted to match
+# (`chunk_order`).
+WORD32_CODES = 8  # codes per 32-bit word
+WORD32_TILE = 64  # K elements per [64, 8]-word tile: four k16 chunks
+
+
+def words32(values: jax.Array) -> jax.Array:
+    """int4 values [..., K] -> uint32 words [..., K / 8] (XLA's packing: no data moves)."""
+    *lead, k = values.shape
+    return lax.bitcast_convert_type(values.reshape(*lead, k // WORD32_CODES, WORD32_CODES),
+                                    jnp.uint32)
+
+
+def chunk_order(a: jax.Array) -> jax.Array:
+    """a [R, K] with each 64-column tile's columns in the chunks' order: column 16 j + 8h
+    + 2t + e of a tile is its K element 32h + 8t + 4e + j."""
+    r, k = a.shape
+    return (a.reshape(r, k // WORD32_TILE, 2, 4, 2, 4).transpose(0, 1, 5, 2, 3, 4)
+            .reshape(r, k))
+
+
+def int4_words32_mma(acc, words, x_tiles, interpret: bool):
+    """acc [64, n] float32 + (int4 words [64, P / 8] uint32) @ x_tiles^T -> acc, where x_tiles
+    is [P, n] bf16 (x's piece, permuted by `chunk_order`, transposed) in MMA_RHS; on the GPU
+    words come in MMA_LHS(uint32) and acc in MMA_ACC (bf16's). Interpret mode (no
+    inline_mgpu there) unpacks the codes in the chunks' order and takes a dot."""
+    rows, num_words = words.shape
+    if interpret:
+        codes = jnp.stack([(words >> (4 * i)) & 0xF for i in range(WORD32_CODES)], axis=-1)
+        values = ((codes.astype(jnp.int32) ^ 8) - 8).astype(jnp.float32).reshape(rows, -1)
+        return acc + jnp.dot(chunk_order(values), x_tiles.astype(jnp.float32))
+    bf16_lhs = plgpu.Layout.MMA_LHS(jnp.bfloat16)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.MMA_ACC(jnp.bfloat16), plgpu.Layout.MMA_LHS(jnp.uint32),
+                   plgpu.Layout.MMA_RHS(jnp.bfloat16)),
+        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
+                                           layout=plgpu.Layout.MMA_ACC(jnp.bfloat16)))
+    def run(ctx, acc_fa, words_fa, x_fa):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
+        lhs = bf16_lhs.to_mgpu()
+        bias = vector.broadcast(pair_ty, arith.constant(ir.BF16Type.get(), 136.0))
+
+        def const(v):
+            return arith.constant(i32, v)
+
+        for q in range(num_words // 8):  # [64, 8]-word tiles
+            tile = words_fa[:, 8 * q:8 * q + 8]
+            regs = [mgpu.utils.bitcast(r, i32) for r in tile.registers.flatten()]
+            for j in range(4):
+                pairs = []
+                for r in regs:
+                    shifted = arith.shrui(r, const(4 * j)) if j else r
+                    code = arith.andi(shifted, const(0x000F000F))
+                    biased = arith.xori(code, const(0x43084308))  # 128 + (v xor 8)
+                    pairs.append(arith.subf(mgpu.utils.bitcast(biased, pair_ty), bias))
+                a = mgpu.FragmentedArray(
+                    _registers=np.asarray(pairs, dtype=object).reshape(
+                        lhs.registers_shape((rows, 16))),
+                    _layout=lhs, _is_signed=None)
+                k0 = WORD32_TILE * q + 16 * j
+                acc_fa = mgpu.mma(acc_fa, a, x_fa[k0:k0 + 16])
+        return acc_fa
+
+    return run(acc, words, x_tiles)

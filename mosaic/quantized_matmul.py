@@ -25,7 +25,9 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
   of a consumer runs mma.sync m16n8k16 on its 16 of the 64 weight rows: the pieces
   load straight into the MMA_LHS layout and upcast there (no relayout), the tokens
   load transposed from the same shared tile, group scales multiply each piece's
-  float32 partial sums, and the accumulator is a loop value.
+  float32 partial sums, and the accumulator is a loop value. With `Config.words32`
+  (int4; not yet run on a GPU) the codes load as 32-bit words in the operand layout
+  and become bf16 two at a time (`nibble_words.int4_words32_mma`).
 - Split-K over the grid fills the SMs when N / 64 alone would not. Every
   (split, consumer) writes float32 partial sums [64, tile_m]; XLA adds them up,
   transposes back to [M, N] and, for asymmetric formats, adds the offset term
@@ -82,6 +84,10 @@ class Config:
     # multiply each piece's float32 partial sums [64, tile_m] instead of its weights, and a
     # step's slot goes back to the producer as soon as its products return.
     mma_sync: bool = False
+    # With mma_sync, int4 (bf16 x, pieces of a multiple of 64) read as 32-bit words in the
+    # MMA operand layout and made bf16 two at a time (`nibble_words.int4_words32_mma`); x's
+    # columns permuted to match. Not yet run on a GPU.
+    words32: bool = False
 
 
 # Token tiles wider than 16 give wrong sums on the GPU at times (tile_m 32 failed one GPU
@@ -205,11 +211,28 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
         def zeros():
             return plgpu.layout_cast(jnp.zeros((ROWS, cfg.tile_m), jnp.float32), acc_layout)
 
+        def words32_product(acc, slot, p):
+            if interpret:
+                x_tiles = x_smem.at[slot, p][...].T
+            else:
+                x_tiles = plgpu.load(x_smem.at[slot, p].transpose((1, 0)), (), layout=rhs)
+            word_array = plgpu.load(w_smem.at[slot, p], (),
+                                    layout=plgpu.Layout.MMA_LHS(jnp.uint32))
+            return nibble_words.int4_words32_mma(acc, word_array, x_tiles, interpret)
+
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(stages))
             plgpu.barrier_wait(ready.at[slot])
             for j in range(0, pps, wgs):
                 p = j + wg if wgs > 1 else j
+                if cfg.words32:
+                    if grouped:
+                        part = words32_product(zeros(), slot, p)
+                        scale = plgpu.load(s_smem.at[slot, p, 0], (), layout=rows_layout)
+                        acc = acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
+                    else:
+                        acc = words32_product(acc, slot, p)
+                    continue
                 if words:
                     word_array = plgpu.load(w_smem.at[slot, p], (), layout=lhs)
                     scales = None if not grouped else nibble_words.group_scales(
@@ -340,6 +363,11 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | 
     int4_words = int4_words and w.kind == "int4" and x.dtype == jnp.bfloat16
     words = "fp4" if fp4 else "int4" if int4_words else None
     piece = piece_size(w, words is not None)
+    words32 = config is not None and config.words32
+    if words32 and (w.kind != "int4" or x.dtype != jnp.bfloat16 or words
+                    or piece % nibble_words.WORD32_TILE or not config.mma_sync):
+        raise ValueError("mosaic quantized matmul: words32 takes int4 weights, bf16 x, "
+                         f"pieces of a multiple of 64 (here {piece}) and mma_sync")
     scales_per_piece = 0 if w.group_size == k else max(1, piece // w.group_size)
     bits = 4 if w.kind in ("int4", "fp4") else 8
     interpret = mosaic_interpret_params()
@@ -365,6 +393,12 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | 
         x_view = nibble_words.x_word_blocks(x_pad, piece).reshape(
             total_pieces, nibble_words.PER_WORD, m_tiles, tm, wp).transpose(2, 0, 1, 3, 4)
         w_tile, x_tile = (ROWS, wp), (nibble_words.PER_WORD, tm, wp)
+    elif words32:
+        # Words of eight codes; each 64-column tile of x in its chunks' order.
+        values, wp = nibble_words.words32(w.values), piece // nibble_words.WORD32_CODES
+        w_view = values.reshape(n_blocks, ROWS, total_pieces, wp)
+        x_view = nibble_words.chunk_order(x_pad).reshape(m_tiles, tm, total_pieces, piece)
+        w_tile, x_tile = (ROWS, wp), (tm, piece)
     else:
         values = w.values
         w_view = values.reshape(n_blocks, ROWS, total_pieces, piece)

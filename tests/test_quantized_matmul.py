@@ -270,6 +270,26 @@ def test_mosaic_picks_mma_sync_for_4_bit_weights_in_8_token_tiles():
 
 
 SYNC = mosaic_gpu_kernel.Config(mma_sync=True, tile_m=8, pieces_per_step=2, num_stages=2)
+WORDS32 = mosaic_gpu_kernel.Config(mma_sync=True, words32=True, tile_m=8, pieces_per_step=2,
+                                   num_stages=2)
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name", ["int4_m1", "int4_g128_m16", "int4_g64_m33",
+                                  "int4_g128_asym_m300"])
+def test_mosaic_int4_words32(name, platform):
+    """int4 as 32-bit words in the mma.sync operand layout (`Config.words32`: per channel,
+    groups of 128 and 64, zero points, several token tiles) agrees with the oracle."""
+    case = CASES[name]
+    b = build(case)
+    with jax.default_device(jax.devices(platform)[0]):
+        qw = quantize(b["w"], case.fmt)
+        y = jax.jit(functools.partial(mosaic_gpu_kernel.quantized_matmul_mgpu,
+                                      config=WORDS32))(jnp.asarray(b["x"], case.dtype), qw)
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    want, allowance = oracle(case, b["x"], qw)
+    assert np.isfinite(y).all() and (np.abs(y - want) <= allowance).all(), (
+        f"{name}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
 
 
 @pytest.mark.parametrize("fmt,options", [
@@ -279,7 +299,8 @@ SYNC = mosaic_gpu_kernel.Config(mma_sync=True, tile_m=8, pieces_per_step=2, num_
     # mma.sync in place of wgmma: per-channel and group-wise, fp4 and int4 words.
     ("int8", dict(config=SYNC)), ("int4:g128", dict(config=SYNC)),
     ("int4:g32:asym", dict(config=SYNC)), ("int4:g128", dict(config=SYNC, int4_words=True)),
-    ("mxfp4", dict(config=SYNC)), ("nvfp4", dict(config=SYNC))])
+    ("mxfp4", dict(config=SYNC)), ("nvfp4", dict(config=SYNC)),
+    ("int4", dict(config=WORDS32)), ("int4:g128", dict(config=WORDS32))])
 def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, options):
     """The compiled (not interpreted) kernel lowers for a CUDA device from the CPU: every
     op it uses has a Mosaic GPU lowering in its register layout (interpret mode runs the
