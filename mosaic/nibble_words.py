@@ -16,6 +16,8 @@ word j): each nibble becomes a bf16 with integer ops, already in wgmma's A layou
   are exact in bf16), and the sums take the remaining 2^SUM_EXP.
 - int4 (two's complement): the code xor 8 as the low mantissa bits of 128.0 (bf16
   0x4300, whose mantissa step is 1) is 136 + v; subtracting 136 leaves v exactly.
+- int4 as 32-bit words of eight codes in mma.sync's operand layout, two codes a 32-bit op
+  (`int4_words32_mma`, below): the same bias trick on both halves of a register.
 """
 
 from __future__ import annotations
