@@ -5,7 +5,7 @@ pieces a step, K splits and MMA form, each checked against the XLA reference fir
   python bench/quantized_matmul_sweep.py [--shapes decode] [--formats int4:g128,mxfp4]
       [--ms 1,16] [--wgs 1,2] [--mma wgmma,sync,words32] [--max-minutes T] [--out FILE.md]
 
-Columns: config (wgmma, mma.sync or words32: int4 as 32-bit words under mma.sync; wgs
+Columns: config (wgmma, mma.sync or words32: 4-bit codes as 32-bit words under mma.sync; wgs
 consumers, pps pieces a step, st ring stages, ks K splits), kernel time (CUPTI median over
 weights cycled past the L2, as bench/quantized_matmul_kernels.py), % of the bytes floor
 (weight bytes as stored at the copy rate measured in this run) and the ratio to the
@@ -46,7 +46,7 @@ SHAPES = {  # (name, N, K)
 
 MMA_FORMS = {"wgmma": dict(mma_sync=False, words32=False),
              "sync": dict(mma_sync=True, words32=False),
-             "words32": dict(mma_sync=True, words32=True)}  # int4 only
+             "words32": dict(mma_sync=True, words32=True)}  # int4 and fp4
 
 
 def neighbours(default: qmm.Config, total_pieces: int, wgs_list, forms) -> list[qmm.Config]:

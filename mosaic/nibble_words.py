@@ -16,8 +16,8 @@ word j): each nibble becomes a bf16 with integer ops, already in wgmma's A layou
   are exact in bf16), and the sums take the remaining 2^SUM_EXP.
 - int4 (two's complement): the code xor 8 as the low mantissa bits of 128.0 (bf16
   0x4300, whose mantissa step is 1) is 136 + v; subtracting 136 leaves v exactly.
-- int4 as 32-bit words of eight codes in mma.sync's operand layout, two codes a 32-bit op
-  (`int4_words32_mma`, below): the same bias trick on both halves of a register.
+- 4-bit codes as 32-bit words of eight in mma.sync's operand layout, two codes a 32-bit
+  op (`words32_mma`, below): the same bit moves on both halves of a register.
 """
 
 from __future__ import annotations
@@ -53,16 +53,16 @@ def x_word_blocks(x: jax.Array, piece: int = PIECE) -> jax.Array:
 
 
 def group_scales(load_scale, groups: int, shape: tuple[int, int], exp: int = SCALE_EXP,
-                 layout=plgpu.Layout.WGMMA) -> jax.Array:
-    """The bf16 scale array [rows, W] of a piece holding `groups` groups, in `layout` (the
-    words' own): load_scale(j) -> group j's float32 scales [rows] (in layout.reduce(1)),
-    times 2^exp, each over its word columns."""
+                 layout=plgpu.Layout.WGMMA, dtype=jnp.bfloat16) -> jax.Array:
+    """The scale array [rows, W] (dtype) of a piece holding `groups` groups, in `layout`
+    (the words' own): load_scale(j) -> group j's float32 scales [rows] (in
+    layout.reduce(1)), times 2^exp, each over its word columns."""
     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
     words_per_group = shape[1] // groups
     out = None
     for j in reversed(range(groups)):
         s = load_scale(j)
-        s = (s * jnp.float32(2.0 ** exp) if exp else s).astype(jnp.bfloat16)
+        s = (s * jnp.float32(2.0 ** exp) if exp else s).astype(dtype)
         s = lax.broadcast_in_dim(s, shape, [0])
         out = s if out is None else jnp.where(cols < (j + 1) * words_per_group, s, out)
     return out
@@ -98,22 +98,24 @@ def int4_nibble_weights(word_array, i: int, scales=None):
     return w if scales is None else w * scales
 
 
-# --- int4 as 32-bit words in mma.sync's operand layout -------------------------------------
+# --- 4-bit codes as 32-bit words in mma.sync's operand layout ------------------------------
 #
 # A [64, 8] tile of uint32 words (eight codes each, code 8c + i in nibble i of word c) loaded
 # in MMA_LHS(uint32) gives a thread the words (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4):
 # the four registers of an m16n8k16 bf16 A operand sit at the same rows and column halves.
-# One shift and one lop3 make nibbles (j, j + 4) of a word a bf16 pair (CUTLASS's int4 ->
-# bf16 conversion), so chunk j of a tile takes pair j of each of the four words: no
-# relayout, no 16-bit packing. Its column L = 8h + 2t + e is word column t + 4h, nibble
-# j + 4e: K element 32h + 8t + 4e + j of the tile, and x is permuted to match
-# (`chunk_order`).
+# A shift and a mask bring nibbles (j, j + 4) of a word to the low bits of its two 16-bit
+# halves, so chunk j of a tile takes pair j of each of the four words, two codes an
+# instruction: no relayout, no 16-bit packing. Chunk j's column L = 8h + 2t + e is word
+# column t + 4h, nibble j + 4e: K element 32h + 8t + 4e + j of the tile, and x is permuted
+# to match (`chunk_order`). int4 pairs become bf16 by CUTLASS's bias trick (above, on both
+# halves); fp4 pairs by moving the sign and (e1 e0 m) bits as above, then a bf16x2 multiply
+# by the word's group scale (groups hold whole words: 8 divides 16 and 32).
 WORD32_CODES = 8  # codes per 32-bit word
 WORD32_TILE = 64  # K elements per [64, 8]-word tile: four k16 chunks
 
 
 def words32(values: jax.Array) -> jax.Array:
-    """int4 values [..., K] -> uint32 words [..., K / 8] (XLA's packing: no data moves)."""
+    """4-bit values [..., K] -> uint32 words [..., K / 8] (XLA's packing: no data moves)."""
     *lead, k = values.shape
     return lax.bitcast_convert_type(values.reshape(*lead, k // WORD32_CODES, WORD32_CODES),
                                     jnp.uint32)
@@ -127,43 +129,81 @@ def chunk_order(a: jax.Array) -> jax.Array:
             .reshape(r, k))
 
 
-def int4_words32_mma(acc, words, x_tiles, interpret: bool):
-    """acc [64, n] float32 + (int4 words [64, P / 8] uint32) @ x_tiles^T -> acc, where x_tiles
-    is [P, n] bf16 (x's piece, permuted by `chunk_order`, transposed) in MMA_RHS; on the GPU
-    words come in MMA_LHS(uint32) and acc in MMA_ACC (bf16's). Interpret mode (no
-    inline_mgpu there) unpacks the codes in the chunks' order and takes a dot."""
+def _codes_as_values(words, fp4: bool):
+    """uint32 words [rows, W] -> float32 values [rows, 8 W] in K order (interpret mode)."""
+    codes = jnp.stack([(words >> (4 * i)) & 0xF for i in range(WORD32_CODES)], axis=-1)
+    codes = codes.astype(jnp.int32).reshape(words.shape[0], -1)
+    if not fp4:
+        return ((codes ^ 8) - 8).astype(jnp.float32)
+    e = (codes >> 1) & 3
+    magnitude = jnp.where(e == 0, 0.5 * (codes & 1),
+                          (1.0 + 0.5 * (codes & 1)) * jnp.exp2((e - 1).astype(jnp.float32)))
+    return jnp.where(codes & 8, -magnitude, magnitude).astype(jnp.float32)
+
+
+def words32_mma(acc, words, x_tiles, interpret: bool, scales=None):
+    """acc [64, n] float32 + (4-bit words [64, P / 8] uint32) @ x_tiles^T -> acc, where
+    x_tiles is [P, n] bf16 (x's piece, permuted by `chunk_order`, transposed) in MMA_RHS.
+    scales None: int4 codes; else fp4 codes and each word's group scale times 2^SCALE_EXP
+    (float32 [64, P / 8], in MMA_LHS(float32) like the words), the products then carrying
+    2^-SUM_EXP. On the GPU words come in MMA_LHS(uint32) and acc in MMA_ACC (bf16's).
+    Interpret mode (no inline_mgpu there) decodes the codes in the chunks' order and takes
+    a dot."""
     rows, num_words = words.shape
+    fp4 = scales is not None
     if interpret:
-        codes = jnp.stack([(words >> (4 * i)) & 0xF for i in range(WORD32_CODES)], axis=-1)
-        values = ((codes.astype(jnp.int32) ^ 8) - 8).astype(jnp.float32).reshape(rows, -1)
+        values = _codes_as_values(words, fp4)
+        if fp4:
+            per_code = jnp.repeat(scales.astype(jnp.bfloat16).astype(jnp.float32),
+                                  WORD32_CODES, axis=1)
+            values = values * per_code * jnp.float32(2.0 ** -126)
         return acc + jnp.dot(chunk_order(values), x_tiles.astype(jnp.float32))
     bf16_lhs = plgpu.Layout.MMA_LHS(jnp.bfloat16)
+    arg_types = (plgpu.Layout.MMA_ACC(jnp.bfloat16), plgpu.Layout.MMA_LHS(jnp.uint32),
+                 plgpu.Layout.MMA_RHS(jnp.bfloat16))
+    if fp4:
+        arg_types += (plgpu.Layout.MMA_LHS(jnp.float32),)
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.MMA_ACC(jnp.bfloat16), plgpu.Layout.MMA_LHS(jnp.uint32),
-                   plgpu.Layout.MMA_RHS(jnp.bfloat16)),
+        arg_types=arg_types,
         return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
                                            layout=plgpu.Layout.MMA_ACC(jnp.bfloat16)))
-    def run(ctx, acc_fa, words_fa, x_fa):
+    def run(ctx, acc_fa, words_fa, x_fa, *scales_fa):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
+        bf16 = ir.BF16Type.get()
+        pair_ty = ir.VectorType.get((2,), bf16)
         lhs = bf16_lhs.to_mgpu()
-        bias = vector.broadcast(pair_ty, arith.constant(ir.BF16Type.get(), 136.0))
+        bias = vector.broadcast(pair_ty, arith.constant(bf16, 136.0))
 
         def const(v):
             return arith.constant(i32, v)
 
+        def as_pair(bits):
+            return mgpu.utils.bitcast(bits, pair_ty)
+
         for q in range(num_words // 8):  # [64, 8]-word tiles
-            tile = words_fa[:, 8 * q:8 * q + 8]
-            regs = [mgpu.utils.bitcast(r, i32) for r in tile.registers.flatten()]
+            cols = slice(8 * q, 8 * q + 8)
+            regs = [mgpu.utils.bitcast(r, i32) for r in words_fa[:, cols].registers.flatten()]
+            if fp4:
+                pair_scales = [
+                    vector.broadcast(pair_ty, arith.truncf(bf16, vector.extract(
+                        r, dynamic_position=[],
+                        static_position=ir.DenseI64ArrayAttr.get([0]))))
+                    for r in scales_fa[0][:, cols].registers.flatten()]
             for j in range(4):
                 pairs = []
-                for r in regs:
+                for n, r in enumerate(regs):
                     shifted = arith.shrui(r, const(4 * j)) if j else r
-                    code = arith.andi(shifted, const(0x000F000F))
-                    biased = arith.xori(code, const(0x43084308))  # 128 + (v xor 8)
-                    pairs.append(arith.subf(mgpu.utils.bitcast(biased, pair_ty), bias))
+                    if fp4:  # sign (bit 3) to bit 15, e1 e0 m (bits 2..0) to bits 8..6
+                        sign = arith.andi(arith.shli(shifted, const(12)), const(0x80008000))
+                        rest = arith.andi(arith.shli(shifted, const(6)), const(0x01C001C0))
+                        pairs.append(arith.mulf(as_pair(arith.ori(sign, rest)),
+                                                pair_scales[n]))
+                    else:  # 128 + (v xor 8) - 136
+                        code = arith.andi(shifted, const(0x000F000F))
+                        pairs.append(arith.subf(as_pair(arith.xori(code, const(0x43084308))),
+                                                bias))
                 a = mgpu.FragmentedArray(
                     _registers=np.asarray(pairs, dtype=object).reshape(
                         lhs.registers_shape((rows, 16))),
@@ -172,4 +212,4 @@ def int4_words32_mma(acc, words, x_tiles, interpret: bool):
                 acc_fa = mgpu.mma(acc_fa, a, x_fa[k0:k0 + 16])
         return acc_fa
 
-    return run(acc, words, x_tiles)
+    return run(acc, words, x_tiles, *([scales] if fp4 else []))

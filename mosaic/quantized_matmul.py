@@ -26,8 +26,8 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
   load straight into the MMA_LHS layout and upcast there (no relayout), the tokens
   load transposed from the same shared tile, group scales multiply each piece's
   float32 partial sums, and the accumulator is a loop value. With `Config.words32`
-  (int4; not yet run on a GPU) the codes load as 32-bit words in the operand layout
-  and become bf16 two at a time (`nibble_words.int4_words32_mma`).
+  (int4, fp4; not yet run on a GPU) the codes load as 32-bit words in the operand
+  layout and become bf16 two at a time (`nibble_words.words32_mma`).
 - Split-K over the grid fills the SMs when N / 64 alone would not. Every
   (split, consumer) writes float32 partial sums [64, tile_m]; XLA adds them up,
   transposes back to [M, N] and, for asymmetric formats, adds the offset term
@@ -84,9 +84,9 @@ class Config:
     # multiply each piece's float32 partial sums [64, tile_m] instead of its weights, and a
     # step's slot goes back to the producer as soon as its products return.
     mma_sync: bool = False
-    # With mma_sync, int4 (bf16 x, pieces of a multiple of 64) read as 32-bit words in the
-    # MMA operand layout and made bf16 two at a time (`nibble_words.int4_words32_mma`); x's
-    # columns permuted to match. Not yet run on a GPU.
+    # With mma_sync, int4 or fp4 (bf16 x, pieces of a multiple of 64) read as 32-bit words
+    # in the MMA operand layout and made bf16 two at a time (`nibble_words.words32_mma`);
+    # x's columns permuted to match. Not yet run on a GPU.
     words32: bool = False
 
 
@@ -160,10 +160,11 @@ def _transforms(dtype, cols: int):
 
 
 def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_per_piece: int,
-            words: str | None, steps: int, interpret: bool):
+            words: str | None, fp4: bool, steps: int, interpret: bool):
     """scales_per_piece: 0 (per-channel scales, applied at the end), 1 (a group a piece)
     or the groups a piece holds (read as words). words: None, or "fp4" / "int4" for 4-bit
-    values read as 16-bit words (`nibble_words`)."""
+    values read as 16-bit words (`nibble_words`); cfg.words32: as 32-bit words, fp4 or
+    int4."""
     w_smem, x_smem, s_smem, o_smem, a_smem, ready, free = scratch
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
     wg = lax.axis_index("wg")
@@ -218,7 +219,15 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
                 x_tiles = plgpu.load(x_smem.at[slot, p].transpose((1, 0)), (), layout=rhs)
             word_array = plgpu.load(w_smem.at[slot, p], (),
                                     layout=plgpu.Layout.MMA_LHS(jnp.uint32))
-            return nibble_words.int4_words32_mma(acc, word_array, x_tiles, interpret)
+            scales = None
+            if fp4:  # each word's group scale, in the words' layout
+                word_layout = plgpu.Layout.MMA_LHS(jnp.float32)
+                scales = nibble_words.group_scales(
+                    lambda g: plgpu.load(s_smem.at[slot, p, g], (),
+                                         layout=word_layout.reduce(1)),
+                    scales_per_piece, word_array.shape, layout=word_layout,
+                    dtype=jnp.float32)
+            return nibble_words.words32_mma(acc, word_array, x_tiles, interpret, scales)
 
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(stages))
@@ -226,7 +235,7 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
             for j in range(0, pps, wgs):
                 p = j + wg if wgs > 1 else j
                 if cfg.words32:
-                    if grouped:
+                    if grouped and not fp4:
                         part = words32_product(zeros(), slot, p)
                         scale = plgpu.load(s_smem.at[slot, p, 0], (), layout=rows_layout)
                         acc = acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
@@ -364,10 +373,13 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | 
     words = "fp4" if fp4 else "int4" if int4_words else None
     piece = piece_size(w, words is not None)
     words32 = config is not None and config.words32
-    if words32 and (w.kind != "int4" or x.dtype != jnp.bfloat16 or words
-                    or piece % nibble_words.WORD32_TILE or not config.mma_sync):
-        raise ValueError("mosaic quantized matmul: words32 takes int4 weights, bf16 x, "
-                         f"pieces of a multiple of 64 (here {piece}) and mma_sync")
+    if words32:
+        if (w.kind not in ("int4", "fp4") or x.dtype != jnp.bfloat16 or int4_words
+                or piece % nibble_words.WORD32_TILE or not config.mma_sync):
+            raise ValueError("mosaic quantized matmul: words32 takes int4 or fp4 weights, "
+                             f"bf16 x, pieces of a multiple of 64 (here {piece}) and "
+                             "mma_sync")
+        words = None  # not the 16-bit words
     scales_per_piece = 0 if w.group_size == k else max(1, piece // w.group_size)
     bits = 4 if w.kind in ("int4", "fp4") else 8
     interpret = mosaic_interpret_params()
@@ -422,7 +434,8 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | 
     barriers = (plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
     kernel_fn = functools.partial(_kernel, cfg=cfg, scales_per_piece=scales_per_piece,
-                                  words=words, steps=steps, interpret=interpret is not None)
+                                  words=words, fp4=fp4, steps=steps,
+                                  interpret=interpret is not None)
 
     def entry(w_ref, x_ref, s_ref, out_ref):
         pl.run_scoped(lambda *s: kernel_fn(w_ref, x_ref, s_ref, out_ref, (*s[0], *s[1:])),

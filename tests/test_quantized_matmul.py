@@ -276,10 +276,11 @@ WORDS32 = mosaic_gpu_kernel.Config(mma_sync=True, words32=True, tile_m=8, pieces
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
 @pytest.mark.parametrize("name", ["int4_m1", "int4_g128_m16", "int4_g64_m33",
-                                  "int4_g128_asym_m300"])
-def test_mosaic_int4_words32(name, platform):
-    """int4 as 32-bit words in the mma.sync operand layout (`Config.words32`: per channel,
-    groups of 128 and 64, zero points, several token tiles) agrees with the oracle."""
+                                  "int4_g128_asym_m300", "mxfp4_m5", "nvfp4_m64"])
+def test_mosaic_words32(name, platform):
+    """4-bit codes as 32-bit words in the mma.sync operand layout (`Config.words32`: int4
+    per channel, in groups of 128 and 64, with zero points over several token tiles; MXFP4
+    and NVFP4) agree with the oracle."""
     case = CASES[name]
     b = build(case)
     with jax.default_device(jax.devices(platform)[0]):
@@ -300,7 +301,8 @@ def test_mosaic_int4_words32(name, platform):
     ("int8", dict(config=SYNC)), ("int4:g128", dict(config=SYNC)),
     ("int4:g32:asym", dict(config=SYNC)), ("int4:g128", dict(config=SYNC, int4_words=True)),
     ("mxfp4", dict(config=SYNC)), ("nvfp4", dict(config=SYNC)),
-    ("int4", dict(config=WORDS32)), ("int4:g128", dict(config=WORDS32))])
+    ("int4", dict(config=WORDS32)), ("int4:g128", dict(config=WORDS32)),
+    ("mxfp4", dict(config=WORDS32)), ("nvfp4", dict(config=WORDS32))])
 def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, options):
     """The compiled (not interpreted) kernel lowers for a CUDA device from the CPU: every
     op it uses has a Mosaic GPU lowering in its register layout (interpret mode runs the
