@@ -28,7 +28,7 @@ for part in ${*:-tests dense words grouped}; do
     grep -v "^WARNING" "$OUT/int4_words.md" 2>/dev/null || tail -20 "$OUT/int4_words.log" ;;
   grouped)
     timeout -k 5 150 python3 "$REPO/bench/grouped_matmul_kernels.py" --models gpt-oss \
-      --quantize mxfp4 --tokens 1,8,64 --no-mgpu --max-minutes 2 \
+      --quantize ${GROUPED_FORMAT:-mxfp4} --tokens 1,8,64 --no-mgpu --max-minutes 2 --words32 \
       --out "$OUT/fp4_grouped.md" > "$OUT/fp4_grouped.log" 2>&1
     grep -v "^WARNING" "$OUT/fp4_grouped.md" 2>/dev/null || tail -20 "$OUT/fp4_grouped.log" ;;
   sweep)

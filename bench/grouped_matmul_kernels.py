@@ -2,7 +2,7 @@
 
   python bench/grouped_matmul_kernels.py [--quick] [--models qwen3,mixtral,gpt-oss]
       [--proj gate_up,down] [--tokens 1,8,64,512,4096] [--draws N] [--iters N] [--sweep]
-      [--xla-max-seconds S] [--max-minutes T] [--quantize FMT]
+      [--xla-max-seconds S] [--max-minutes T] [--quantize FMT [--words32]]
       [--out FILE.md] [--cpu-smoke]
 
 y = x @ W[e]^T per row's expert e, x [tokens * top_k, hidden] bf16 sorted by expert,
@@ -131,6 +131,18 @@ def sweep_configs(x, w):
     return out
 
 
+def words32_config(x, w):
+    """Our default config for these 4-bit experts, with their codes as 32-bit words under
+    mma.sync (`Config.words32`; for --words32)."""
+    m, k = x.shape
+    e, n, _ = w.shape
+    piece = mgm.piece_cols(w, k)
+    groups = piece // w.group_size if w.kind == "fp4" else w.group_size != k
+    cfg = mgm.choose_config(m, e, n, k, mgm.num_sms(), weight_bits=4, grouped=groups,
+                            piece=piece)
+    return dataclasses.replace(cfg, words32=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -150,6 +162,8 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="a tiny shape, 1 and 8 tokens: a quick check that runs on the CPU")
     ap.add_argument("--quantize", help="expert weights in this format (int8, int4:g128, ...)")
+    ap.add_argument("--words32", action="store_true",
+                    help="also time 4-bit experts as 32-bit words under mma.sync (the log)")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
 
@@ -282,6 +296,11 @@ def main():
                         fn = jax.jit(functools.partial(grouped_matmul_mgpu, config=cfg,
                                                        groups_aligned=aligned))
                         checked(f"{label} sweep {cfg}", fn, our_sets, want_ours)
+                if a.words32 and a.quantize and w.kind in ("int4", "fp4"):
+                    cfg = words32_config(our_sets[0][0], w)
+                    fn = jax.jit(functools.partial(grouped_matmul_mgpu, config=cfg,
+                                                   groups_aligned=aligned))
+                    checked(f"{label} words32", fn, our_sets, want_ours)
                 rows.append(dict(shape=title, tokens=t, rows=rows_text, hit=hit,
                                  floor_s=max(bw_floor, flop_floor),
                                  floor_kind="bw" if bw_floor >= flop_floor else "flop",

@@ -132,6 +132,12 @@ class Config:
     # shared memory (quantized decode: two consumers share the upcasts; 1-9% faster,
     # bench/NOTES.md, Grouped matmul (Mosaic GPU): Quantized: two consumers split K at decode).
     split_k: bool = False
+    # 4-bit experts (int4, fp4; bf16 rows) read as 32-bit words in mma.sync's operand
+    # layout and multiplied by warp-level mma.sync instead of wgmma, as the dense kernel's
+    # `words32` (`nibble_words.words32_mma`): wgmma with a register operand costs ~90 SM
+    # cycles a 64 x 16 box at decode widths (bench/NOTES.md, Linear and quantized matmul:
+    # mma.sync in place of wgmma). Not yet run on a GPU.
+    words32: bool = False
 
     @property
     def owners(self) -> int:
@@ -374,7 +380,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
             s_smem, a_smem, p_smem, ready, free, handoff, *, cfg: Config, num_experts: int,
             steps: int, grid: int, row_blocks: int | None, padded_m: int, swiglu: bool,
             aligned: bool, scales: str | None, group_size: int, piece: int,
-            fp4_groups: int = 0):
+            fp4_groups: int = 0, words32: bool = False):
     """table: the item table's ref (`build_items`) when row_blocks is None; else the
     per-row table's refs (`build_row_items`), and row_blocks the N blocks: item i is
     (row, N block) = divmod(i, row_blocks).
@@ -397,6 +403,10 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
     w_ref holds uint16 words [E, N, K / 4], x_ref x's word blocks [K / 16, M, 16], and the
     boxes are [64, 16] words, [4, width, 16] tokens and [groups, 64] scales a piece.
 
+    words32: 4-bit weights as uint32 words [E, N, K / 8] in [64, piece / 8] boxes, x's
+    columns in `nibble_words.chunk_order`, products by mma.sync (`Config.words32`); fp4
+    scales still [groups, 64] a box.
+
     cfg.split_k: consumer c takes pieces c, c + 2, ... of every step; the second writes its
     accumulators to p_smem [halves, 64, max_width] float32 and the first adds them
     (handoff barriers: [0] the partial sums are written, [1] they were read)."""
@@ -408,6 +418,9 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
     n_out = out_ref.shape[1]
     count = count_ref[0]
     my_items = jnp.maximum(count - cta + grid - 1, 0) // grid
+    words16 = fp4_groups and not words32  # fp4 as 16-bit words, x in four word blocks
+    word_cols = (nibble_words.PER_WORD if words16
+                 else nibble_words.WORD32_CODES if words32 else 1)  # K elements a column
 
     def fields(j):
         i = cta + j * grid
@@ -427,7 +440,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
         plgpu.set_max_registers(40, action="decrease")
 
         def load_tokens(load_start, k0, slot, p, w):
-            if not fp4_groups:
+            if not words16:
                 plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(load_start, w), pl.ds(k0, piece)],
                                         x_smem.at[slot, p, pl.ds(0, w)], ready.at[slot])
                 return
@@ -457,8 +470,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                             row0 = pl.multiple_of(
                                 half * n_out + (n_block * owners + c) * ROWS, ROWS)
                             box = half * owners + c
-                            cols = (pl.ds(lax.div(k0, nibble_words.PER_WORD), nibble_words.WORDS)
-                                    if fp4_groups else pl.ds(k0, piece))
+                            cols = pl.ds(lax.div(k0, word_cols), piece // word_cols)
                             plgpu.copy_gmem_to_smem(w_ref.at[grp, pl.ds(row0, ROWS), cols],
                                                     w_smem.at[slot, p, box], ready.at[slot])
                             if fp4_groups:  # the piece's groups of scales
@@ -549,6 +561,61 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                         a = a_smem.at[wg, j, half]
                     plgpu.wgmma(acc_ref, a, x_smem.at[slot, p, nib, pl.ds(0, w)].transpose((1, 0)))
 
+        def words32_accs(g, w):
+            """The item's products by mma.sync, one float32 value per half [64, w] (in
+            WGMMA's layout, as the epilogue takes them)."""
+            acc_layout = plgpu.Layout.MMA_ACC(x_smem.dtype)
+            rhs = plgpu.Layout.MMA_RHS(x_smem.dtype)
+            word_layout = plgpu.Layout.MMA_LHS(jnp.float32)  # (a uint32 word's, too)
+
+            def zeros():
+                return plgpu.layout_cast(jnp.zeros((ROWS, w), jnp.float32), acc_layout)
+
+            def step(s, accs):
+                gs = g + s
+                slot = lax.rem(gs, stages)
+                plgpu.barrier_wait(ready.at[slot])
+                taken = ([j * wgs + wg for j in range(pieces // wgs)] if cfg.split_k
+                         else list(range(pieces)))
+                accs = list(accs)
+                for p in taken:
+                    x_tile = x_smem.at[slot, p, pl.ds(0, w)]
+                    x_t = (x_tile[...].T if a_smem is not None else
+                           plgpu.load(x_tile.transpose((1, 0)), (), layout=rhs))
+                    for half in range(halves):
+                        box = half * owners + mine
+                        words = plgpu.load(w_smem.at[slot, p, box], (),
+                                           layout=plgpu.Layout.MMA_LHS(jnp.uint32))
+                        if fp4_groups:  # each word's group scale, in the words' layout
+                            word_scales = nibble_words.group_scales(
+                                lambda i, box=box, p=p: plgpu.load(
+                                    s_smem.at[slot, p, box, i], (),
+                                    layout=word_layout.reduce(1)),
+                                fp4_groups, words.shape, layout=word_layout,
+                                dtype=jnp.float32)
+                            accs[half] = nibble_words.words32_mma(
+                                accs[half], words, x_t, a_smem is not None, word_scales)
+                        elif scales == "group":  # on the piece's float32 partial sums
+                            part = nibble_words.words32_mma(zeros(), words, x_t,
+                                                            a_smem is not None)
+                            row_scale = plgpu.load(s_smem.at[slot, p, box], (),
+                                                   layout=acc_layout.reduce(1))
+                            accs[half] = accs[half] + part * lax.broadcast_in_dim(
+                                row_scale, part.shape, [0])
+                        else:
+                            accs[half] = nibble_words.words32_mma(accs[half], words, x_t,
+                                                                  a_smem is not None)
+
+                @pl.when(s > 0)  # the previous step's slot goes back, as `mma`'s
+                def _():
+                    plgpu.barrier_arrive(free.at[lax.rem(gs + stages - 1, stages)])
+                return tuple(accs)
+
+            accs = lax.fori_loop(0, steps, step, tuple(zeros() for _ in range(halves)))
+            if a_smem is not None:  # interpret mode: layouts are ignored
+                return accs
+            return tuple(plgpu.layout_cast(acc, plgpu.Layout.WGMMA) for acc in accs)
+
         def mma(*acc_refs, g, w):
             """One accumulator per half (gate, up); returns their values."""
             def step(s, _):
@@ -618,8 +685,11 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                         scales_ref.at[grp, half * (n_out // ROWS) + n_block * owners + mine],
                         (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                         for half in range(halves)]
-                accs = pl.run_scoped(functools.partial(mma, g=g, w=w),
-                                     *[plgpu.ACC((ROWS, w), jnp.float32)] * halves)
+                if words32:
+                    accs = words32_accs(g, w)
+                else:
+                    accs = pl.run_scoped(functools.partial(mma, g=g, w=w),
+                                         *[plgpu.ACC((ROWS, w), jnp.float32)] * halves)
                 plgpu.barrier_arrive(free.at[lax.rem(g + steps - 1, stages)])
 
                 def finish(accs):
@@ -723,7 +793,16 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         # The item table walks the rows in group order.
         return in_group_order(lambda x: grouped_matmul_mgpu(
             x, w, group_sizes, swiglu=swiglu, config=config), x, row_groups)
-    if fp4_groups:  # words of four codes; x's columns in the nibbles' order
+    words32 = cfg.words32
+    if words32 and (not quantized or w.kind not in ("int4", "fp4") or x.dtype != jnp.bfloat16
+                    or piece % nibble_words.WORD32_TILE):
+        raise ValueError("mosaic grouped matmul: words32 takes int4 or fp4 experts, bf16 "
+                         f"rows and pieces of a multiple of 64 (here {piece})")
+    if words32:  # words of eight codes; x's columns in the chunks' order
+        values, x_in = nibble_words.words32(w.values), nibble_words.chunk_order(x_in)
+        scale_rows = (w.scales.reshape(e, n // ROWS, ROWS) if scales == "channel"
+                      else w.scales)
+    elif fp4_groups:  # words of four codes; x's columns in the nibbles' order
         values, x_in = nibble_words.words(w.values), nibble_words.x_word_blocks(x_in)
         scale_rows = w.scales
     elif quantized:
@@ -748,7 +827,12 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
 
     stages, pieces, wgs = cfg.num_stages, cfg.k_pieces, cfg.compute_wgs
     boxes = halves * cfg.owners  # weight boxes per piece
-    if fp4_groups:  # [64, 16] words, [4, width, 16] tokens, [groups, 64] scales a box
+    if words32:  # [64, piece / 8] words, [width, piece] tokens
+        cols = piece // nibble_words.WORD32_CODES
+        w_box, x_box, a_cols = (ROWS, cols), (cfg.max_width, piece), piece
+        s_box = (fp4_groups, ROWS) if fp4_groups else (ROWS,)
+        w_transforms, x_transforms = _swizzled(32, cols), _swizzled(16, piece)
+    elif fp4_groups:  # [64, 16] words, [4, width, 16] tokens, [groups, 64] scales a box
         words = nibble_words.WORDS
         w_box, x_box, a_cols = (ROWS, words), (nibble_words.PER_WORD, cfg.max_width, words), words
         s_box = (fp4_groups, ROWS)
@@ -769,7 +853,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         # ready: per piece, a weight box (and its scales) per consumer and half, and the
         # token rows (fp4: in four blocks)
         plgpu.Barrier(num_arrivals=(boxes * (2 if groups else 1)
-                                    + (nibble_words.PER_WORD if fp4_groups else 1)) * pieces,
+                                    + (nibble_words.PER_WORD if fp4_groups and not words32
+                                       else 1)) * pieces,
                       num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # free: each consumer
         plgpu.Barrier(num_arrivals=1, num_barriers=2) if cfg.split_k else None,  # handoff
@@ -778,7 +863,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
                                row_blocks=row_blocks, padded_m=padded_m, swiglu=fused,
                                aligned=aligned, scales=scales,
                                group_size=w.group_size if quantized else k, piece=piece,
-                               fp4_groups=fp4_groups)
+                               fp4_groups=fp4_groups, words32=words32)
 
     def body(table, count_ref, x_ref, w_ref, *refs):
         scales_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)

@@ -63,7 +63,8 @@ def group_scales(load_scale, groups: int, shape: tuple[int, int], exp: int = SCA
     for j in reversed(range(groups)):
         s = load_scale(j)
         s = (s * jnp.float32(2.0 ** exp) if exp else s).astype(dtype)
-        s = lax.broadcast_in_dim(s, shape, [0])
+        # (the cast names the broadcast's layout where no consumer hints it)
+        s = plgpu.layout_cast(lax.broadcast_in_dim(s, shape, [0]), layout)
         out = s if out is None else jnp.where(cols < (j + 1) * words_per_group, s, out)
     return out
 

@@ -9,6 +9,8 @@ cases run natively under `pytest -m gpu`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 
 import jax
@@ -130,6 +132,20 @@ QUANT_CASES = [
     ("nvfp4_wide_windows", 320, 2, 128, 128, [150, 100],
      Config(max_rows=128, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2, last_extra=32),
      "nvfp4", {}),
+    # 4-bit codes as 32-bit words under mma.sync (`Config.words32`): fp4 on split K with
+    # the fused swiglu, int4 per channel on the item table, int4 g128 on per-row items.
+    ("mxfp4_words32_split_k_swiglu_rows", 10, 12, 256, 256, [3, 0, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1],
+     Config(max_rows=32, compute_wgs=2, k_pieces=2, num_stages=2, num_ctas=3, split_k=True,
+            words32=True), "mxfp4", dict(swiglu=True)),
+    ("nvfp4_words32_windows", 72, 3, 128, 128, [45, 0, 20],
+     Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2, words32=True),
+     "nvfp4", {}),
+    ("int4_words32_windows_tail", 72, 3, 128, 256, [45, 0, 20],
+     Config(max_rows=32, compute_wgs=2, k_pieces=1, num_stages=2, num_ctas=2, words32=True),
+     "int4", {}),
+    ("int4_g128_words32_rows", 10, 12, 128, 256, [3, 0, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1],
+     Config(max_rows=16, compute_wgs=1, k_pieces=1, num_stages=2, num_ctas=3, words32=True),
+     "int4:g128", {}),
 ]
 
 
@@ -307,11 +323,14 @@ def test_choose_config_fits_shared_memory():
             assert cfg.max_rows < 256 and cfg.last_extra < cfg.max_rows
 
 
-@pytest.mark.parametrize("fmt,m", [("int4:g128", 10), ("mxfp4", 10), ("nvfp4", 300)])
-def test_kernel_lowers_for_hopper(monkeypatch, fmt, m):
+@pytest.mark.parametrize("fmt,m,words32", [("int4:g128", 10, False), ("mxfp4", 10, False),
+                                          ("nvfp4", 300, False), ("mxfp4", 10, True),
+                                          ("int4", 300, True), ("int4:g128", 10, True)])
+def test_kernel_lowers_for_hopper(monkeypatch, fmt, m, words32):
     """The compiled (not interpreted) kernel lowers for a CUDA device from the CPU, per-row
-    items (10 rows of 12 experts) and the item table (300): every op it uses has a Mosaic
-    GPU lowering in its register layout. Compiling it needs a GPU."""
+    items (10 rows of 12 experts) and the item table (300), with wgmma or as 32-bit words
+    under mma.sync: every op it uses has a Mosaic GPU lowering in its register layout.
+    Compiling it needs a GPU."""
     from jaxinfer.mosaic import grouped_matmul as kernel
     monkeypatch.setattr(kernel, "mosaic_interpret_params", lambda: None)
     w = quantize(np.random.default_rng().standard_normal((12, 256, 256)), fmt)
@@ -319,8 +338,11 @@ def test_kernel_lowers_for_hopper(monkeypatch, fmt, m):
     sizes = jax.ShapeDtypeStruct((12,), jnp.int32)
     kernel.grouped_matmul_mgpu.clear_cache()  # traced here without interpret mode
     try:
-        lowered = jax.jit(kernel.grouped_matmul_mgpu).trace(x, w, sizes).lower(
-            lowering_platforms=("cuda",))
+        config = (dataclasses.replace(kernel.choose_config(
+            m, 12, 256, 256, 132, weight_bits=4, grouped=fmt != "int4",
+            piece=kernel.piece_cols(w, 256)), words32=True) if words32 else None)
+        lowered = jax.jit(functools.partial(kernel.grouped_matmul_mgpu, config=config)).trace(
+            x, w, sizes).lower(lowering_platforms=("cuda",))
     finally:
         kernel.grouped_matmul_mgpu.clear_cache()
     assert "mosaic_gpu" in lowered.as_text()
