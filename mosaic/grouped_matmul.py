@@ -61,7 +61,7 @@ Hopper GEMM tile, so prefill (thousands of rows per expert) runs the same code a
 decode (a few rows per expert); `choose_config` picks max_rows from the expected rows
 per expert, and shared-memory depth from what fits.
 
-Quantized experts (`QuantizedWeight` stacks of int8 or int4 values, symmetric): the
+Quantized experts (`QuantizedWeight` stacks of int8, int4 or fp4 values, symmetric): the
 weight boxes stream in their stored width (half or a quarter of bf16's bytes, the point at
 decode sizes) and become wgmma's A operand from registers, as in the quantized matmul
 (`jaxinfer.mosaic.quantized_matmul`): a consumer loads its box in the upcast register
@@ -72,7 +72,9 @@ scales multiply the float32 accumulator once, in the epilogue. Each step's MMAs 
 waited for before the next step's upcasts (register operands left in flight gave wrong
 sums). Where one consumer would own each N block (decode sizes), two consumers split the
 step's pieces instead (`Config.split_k`): the second hands its partial sums to the first
-through shared memory.
+through shared memory. fp4 (MXFP4, NVFP4) is read as 16-bit words and made bf16 with
+integer ops (`jaxinfer.mosaic.nibble_words`); with `Config.words32`, 4-bit codes are read
+as 32-bit words and multiplied by mma.sync instead of wgmma.
 
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode (tests);
 there the upcast box goes through shared memory (interpret mode has no register A
