@@ -563,6 +563,10 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                         a = a_smem.at[wg, j, half]
                     plgpu.wgmma(acc_ref, a, x_smem.at[slot, p, nib, pl.ds(0, w)].transpose((1, 0)))
 
+        # This consumer's pieces of every step: all, or every other one (split_k).
+        taken = ([j * wgs + wg for j in range(pieces // wgs)] if cfg.split_k
+                 else list(range(pieces)))
+
         def words32_accs(g, w):
             """The item's products by mma.sync, one float32 value per half [64, w] (in
             WGMMA's layout, as the epilogue takes them)."""
@@ -577,8 +581,6 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                 gs = g + s
                 slot = lax.rem(gs, stages)
                 plgpu.barrier_wait(ready.at[slot])
-                taken = ([j * wgs + wg for j in range(pieces // wgs)] if cfg.split_k
-                         else list(range(pieces)))
                 accs = list(accs)
                 for p in taken:
                     x_tile = x_smem.at[slot, p, pl.ds(0, w)]
@@ -624,9 +626,6 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
                 gs = g + s
                 slot = lax.rem(gs, stages)
                 plgpu.barrier_wait(ready.at[slot])
-                # This consumer's pieces: all, or every other one (split_k).
-                taken = ([j * wgs + wg for j in range(pieces // wgs)] if cfg.split_k
-                         else list(range(pieces)))
                 if fp4_groups:
                     for j, p in enumerate(taken):
                         fp4_mmas(acc_refs, slot, p, j, w)

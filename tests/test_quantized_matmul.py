@@ -229,17 +229,23 @@ MOSAIC_CONFIGS = {
 def test_mosaic_configs(name, config, platform):
     """The Mosaic kernel's tilings (consumers, split-K, ring depth, token tiles over
     several M tiles, which the registry sends to XLA) agree too."""
+    cfg = mosaic_gpu_kernel.Config(**{**dict(tile_m=16), **MOSAIC_CONFIGS[config]})
+    _check_mosaic_kernel(name, platform, f"{name}/{config}", config=cfg)
+
+
+def _check_mosaic_kernel(name: str, platform: str, label: str, **options):
+    """The Mosaic kernel with these options on case `name` agrees with the float64 oracle
+    within the format's allowance."""
     case = CASES[name]
     b = build(case)
     with jax.default_device(jax.devices(platform)[0]):
         qw = quantize(b["w"], case.fmt)
-        cfg = mosaic_gpu_kernel.Config(**{**dict(tile_m=16), **MOSAIC_CONFIGS[config]})
-        y = jax.jit(functools.partial(mosaic_gpu_kernel.quantized_matmul_mgpu, config=cfg))(
+        y = jax.jit(functools.partial(mosaic_gpu_kernel.quantized_matmul_mgpu, **options))(
             jnp.asarray(b["x"], case.dtype), qw)
     y = np.asarray(y.astype(jnp.float32), np.float64)
     want, allowance = oracle(case, b["x"], qw)
     assert np.isfinite(y).all() and (np.abs(y - want) <= allowance).all(), (
-        f"{name}/{config}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
+        f"{label}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
 
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
@@ -248,16 +254,7 @@ def test_mosaic_configs(name, config, platform):
 def test_mosaic_int4_words(name, platform):
     """int4 read as 16-bit words (`int4_words`: per channel, groups of 128 / 64 in one
     piece, groups of 32 two a piece, zero points) agrees with the oracle."""
-    case = CASES[name]
-    b = build(case)
-    with jax.default_device(jax.devices(platform)[0]):
-        qw = quantize(b["w"], case.fmt)
-        y = jax.jit(functools.partial(mosaic_gpu_kernel.quantized_matmul_mgpu,
-                                      int4_words=True))(jnp.asarray(b["x"], case.dtype), qw)
-    y = np.asarray(y.astype(jnp.float32), np.float64)
-    want, allowance = oracle(case, b["x"], qw)
-    assert np.isfinite(y).all() and (np.abs(y - want) <= allowance).all(), (
-        f"{name}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
+    _check_mosaic_kernel(name, platform, name, int4_words=True)
 
 
 def test_mosaic_picks_mma_sync_for_4_bit_weights_in_8_token_tiles():
@@ -281,16 +278,7 @@ def test_mosaic_words32(name, platform):
     """4-bit codes as 32-bit words in the mma.sync operand layout (`Config.words32`: int4
     per channel, in groups of 128 and 64, with zero points over several token tiles; MXFP4
     and NVFP4) agree with the oracle."""
-    case = CASES[name]
-    b = build(case)
-    with jax.default_device(jax.devices(platform)[0]):
-        qw = quantize(b["w"], case.fmt)
-        y = jax.jit(functools.partial(mosaic_gpu_kernel.quantized_matmul_mgpu,
-                                      config=WORDS32))(jnp.asarray(b["x"], case.dtype), qw)
-    y = np.asarray(y.astype(jnp.float32), np.float64)
-    want, allowance = oracle(case, b["x"], qw)
-    assert np.isfinite(y).all() and (np.abs(y - want) <= allowance).all(), (
-        f"{name}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
+    _check_mosaic_kernel(name, platform, name, config=WORDS32)
 
 
 @pytest.mark.parametrize("fmt,options", [
