@@ -3,9 +3,11 @@
 # tests, then their kernel tables (fp4 and int4 dense, int4 as 16-bit words, MXFP4 experts);
 # logs and tables under $OUT.
 #   device run: bash bench/gpu_fp4.sh [part...]   (parts: tests dense words grouped sweep
-#   gpt-oss; carry: .whl, from `pip wheel --no-deps . -w .whl`)
+#   gpt-oss llama; carry: .whl, from `pip wheel --no-deps . -w .whl`)
 # sweep: the dense kernel's configurations (bench/quantized_matmul_sweep.py); gpt-oss: the
-# gpt-oss-20b shape's batch-1 decode in bf16 and with MXFP4 experts (GPT_OSS_FORMATS).
+# gpt-oss-20b shape's batch-1 decode in bf16 and with MXFP4 experts (GPT_OSS_FORMATS);
+# llama: the Llama-3-8B shape's batch-1 decode (LLAMA_FORMATS) beside the plain-torch peer
+# (copy ../shared/peers into scratch/peers and carry it).
 source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 for part in ${*:-tests dense words grouped}; do
@@ -28,7 +30,7 @@ for part in ${*:-tests dense words grouped}; do
     grep -v "^WARNING" "$OUT/int4_words.md" 2>/dev/null || tail -20 "$OUT/int4_words.log" ;;
   grouped)
     timeout -k 5 150 python3 "$REPO/bench/grouped_matmul_kernels.py" --models gpt-oss \
-      --quantize ${GROUPED_FORMAT:-mxfp4} --tokens 1,8,64 --no-mgpu --max-minutes 2 --words32 \
+      --quantize ${GROUPED_FORMAT:-mxfp4} --tokens ${GROUPED_TOKENS:-1,8,64} --no-mgpu --max-minutes 2 --words32 \
       --out "$OUT/fp4_grouped.md" > "$OUT/fp4_grouped.log" 2>&1
     grep -v "^WARNING" "$OUT/fp4_grouped.md" 2>/dev/null || tail -20 "$OUT/fp4_grouped.log" ;;
   sweep)
@@ -44,5 +46,16 @@ for part in ${*:-tests dense words grouped}; do
         $([ $fmt = bf16 ] || echo --quantize $fmt) --json "$OUT/gpt_oss_$fmt.json" > "$OUT/gpt_oss_$fmt.log" 2>&1
       grep -v "^WARNING" "$OUT/gpt_oss_$fmt.log" | tail -6
     done ;;
+  llama)
+    for fmt in ${LLAMA_FORMATS:-bf16 int4:g128}; do
+      timeout -k 5 240 python3 -m jaxinfer.cli.main bench latency --preset llama3-8b \
+        --batch 1 --input-len 512 --output-len 128 --kv-cache-gb 8 --decode-steps 32 \
+        $([ $fmt = bf16 ] || echo --quantize $fmt) --json "$OUT/llama_${fmt//:/_}.json" \
+        > "$OUT/llama_${fmt//:/_}.log" 2>&1
+      grep -v "^WARNING" "$OUT/llama_${fmt//:/_}.log" | tail -6
+    done
+    [ -f "$REPO/scratch/peers/torch_decode.py" ] && timeout -k 5 300 python3 \
+      "$REPO/scratch/peers/torch_decode.py" --input-len 512 --output-len 128 \
+      --formats ${PEER_FORMATS:-bf16,int4} 2>&1 | grep -v "^WARNING" | tail -4 | tee "$OUT/torch_peer.log" ;;
   esac
 done

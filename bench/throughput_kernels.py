@@ -4,6 +4,8 @@ and the kernels with the most time (summed by name).
 
     python bench/throughput_kernels.py --preset llama3-8b --num-requests 64 \\
         --input-len 1024 --output-len 256 --decode-steps 8
+    python bench/throughput_kernels.py --preset gpt-oss-20b --quantize mxfp4 \
+        --num-requests 1 --input-len 512 --output-len 64 --decode-steps 32   # batch-1 decode
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.benchmarks.harness import kernel_table, recorded_kernels
-from jaxinfer.loading.presets import preset_config, random_model
+from jaxinfer.loading.presets import RandomWeights, preset_config
 
 
 def main():
@@ -30,9 +32,12 @@ def main():
     ap.add_argument("--kv-cache-gb", type=float, default=24)
     ap.add_argument("--max-num-seqs", type=int, default=0, help="default: --num-requests")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--quantize", default=None,
+                    help="the random projections in this format (as `jaxinfer bench`)")
     args = ap.parse_args()
     config = preset_config(args.preset)
-    llm = LLM(random_model(config, jnp.bfloat16), kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+    llm = LLM(RandomWeights(config, jnp.bfloat16, quantize=args.quantize),
+              kv_cache_bytes=int(args.kv_cache_gb * 2**30),
               max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=args.max_num_seqs or args.num_requests,
               max_num_batched_tokens=args.max_num_batched_tokens,

@@ -73,8 +73,9 @@ waited for before the next step's upcasts (register operands left in flight gave
 sums). Where one consumer would own each N block (decode sizes), two consumers split the
 step's pieces instead (`Config.split_k`): the second hands its partial sums to the first
 through shared memory. fp4 (MXFP4, NVFP4) is read as 16-bit words and made bf16 with
-integer ops (`jaxinfer.mosaic.nibble_words`); with `Config.words32`, 4-bit codes are read
-as 32-bit words and multiplied by mma.sync instead of wgmma.
+integer ops (`jaxinfer.mosaic.nibble_words`); with `Config.words32` (the default for
+4-bit experts in token tiles up to WORDS32_MAX_WIDTH), 4-bit codes are read as 32-bit
+words and multiplied by mma.sync instead of wgmma.
 
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode (tests);
 there the upcast box goes through shared memory (interpret mode has no register A
@@ -115,6 +116,9 @@ SMEM_BYTES = 227 * 1024
 # Up to this many rows (a decode step's tokens x top-k), and no more than the experts,
 # max_rows >= M and the work items come from the per-row table (`row_items`).
 MAX_ROW_ITEMS_M = 128
+# The widest token tile (max_rows + last_extra) that reads 4-bit experts as 32-bit words
+# under mma.sync by default (the widest timed faster; 256-row tiles are not timed).
+WORDS32_MAX_WIDTH = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +142,9 @@ class Config:
     # layout and multiplied by warp-level mma.sync instead of wgmma, as the dense kernel's
     # `words32` (`nibble_words.words32_mma`): wgmma with a register operand costs ~90 SM
     # cycles a 64 x 16 box at decode widths (bench/NOTES.md, Linear and quantized matmul:
-    # mma.sync in place of wgmma). Not yet run on a GPU.
+    # mma.sync in place of wgmma). The default for token tiles up to WORDS32_MAX_WIDTH:
+    # 1.34-1.56x the 16-bit fp4 words under wgmma for gpt-oss's MXFP4 experts at 1 to 64
+    # tokens, 1.16x at 256 (128-row tiles; H200).
     words32: bool = False
 
     @property
@@ -196,7 +202,7 @@ def num_sms() -> int:
 def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
                   swiglu: bool = False, weight_bits: int | None = None,
                   grouped: bool | int = False, interpret: bool = False,
-                  piece: int = PIECE) -> Config:
+                  piece: int = PIECE, words32: bool = False) -> Config:
     """Static heuristics from the shapes (group sizes are only known on the device).
 
     max_rows: about three times the mean rows per expert (M / E), so that even a busy
@@ -217,7 +223,9 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     the same tiles; their smaller boxes leave room for more ring slots. Where one consumer
     would own each N block and a step has two pieces (max_rows <= 64), two consumers
     split each step's pieces (`split_k`). If two ring slots still do not fit (interpret
-    mode's upcast buffers at 256-row tiles), max_rows halves.
+    mode's upcast buffers at 256-row tiles), max_rows halves. words32 (the experts can be
+    read as 32-bit words: int4 or fp4, bf16 rows, pieces of a multiple of 64): token tiles
+    up to WORDS32_MAX_WIDTH take them (`Config.words32`).
     """
     mean_rows = m / e
     if m <= min(MAX_ROW_ITEMS_M, e):  # every group fits one window: the per-row table
@@ -245,7 +253,7 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     while not fits(cfg) and cfg.max_rows > 2 * MIN_WIDTH and not row_items(m, e, cfg):
         cfg = dataclasses.replace(cfg, max_rows=cfg.max_rows // 2,
                                   last_extra=cfg.last_extra // 2)
-    return cfg
+    return dataclasses.replace(cfg, words32=words32 and cfg.max_width <= WORDS32_MAX_WIDTH)
 
 
 def _swizzled(bits: int = 16, cols: int = PIECE):
@@ -764,8 +772,11 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     piece = piece_cols(w, k)
     fp4_groups = piece // w.group_size if quantized and w.kind == "fp4" else 0
     groups = fp4_groups or scales == "group"  # scale rows a box brings
+    words32_ok = (weight_bits == 4 and x.dtype == jnp.bfloat16
+                  and piece % nibble_words.WORD32_TILE == 0)
     cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS,
-                                  swiglu, weight_bits, groups, interpret is not None, piece)
+                                  swiglu, weight_bits, groups, interpret is not None, piece,
+                                  words32_ok)
     # (gate and up blocks of block_n rows each: N / 2 must hold whole blocks)
     fused = swiglu and row_items(m, e, cfg) and (n // 2) % cfg.block_n == 0
     halves = 2 if fused else 1
@@ -795,8 +806,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         return in_group_order(lambda x: grouped_matmul_mgpu(
             x, w, group_sizes, swiglu=swiglu, config=config), x, row_groups)
     words32 = cfg.words32
-    if words32 and (not quantized or w.kind not in ("int4", "fp4") or x.dtype != jnp.bfloat16
-                    or piece % nibble_words.WORD32_TILE):
+    if words32 and not words32_ok:
         raise ValueError("mosaic grouped matmul: words32 takes int4 or fp4 experts, bf16 "
                          f"rows and pieces of a multiple of 64 (here {piece})")
     if words32:  # words of eight codes; x's columns in the chunks' order

@@ -314,6 +314,11 @@ def test_choose_config_fits_shared_memory():
         assert smem_bytes(cfg, 2, halves, bits, True, False, 128) <= SMEM_BYTES
         assert cfg.num_stages >= 2
         assert cfg.split_k == (m == 8)  # decode sizes: one consumer's worth of N blocks
+        assert not cfg.words32  # only where the experts can be read as 32-bit words
+        words32 = choose_config(m, e, n, k, swiglu=swiglu, weight_bits=bits, grouped=True,
+                                piece=128, words32=True)
+        assert words32.words32 == (words32.max_width <= 128)
+        assert dataclasses.replace(words32, words32=False) == cfg
     # Interpret mode's upcast buffers at 256-row tiles: max_rows halves until they fit.
     for m, e, n, k in [(262144, 128, 1536, 2048), (8192, 8, 4096, 14336)]:
         for bits in (8, 4):

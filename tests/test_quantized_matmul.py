@@ -258,12 +258,16 @@ def test_mosaic_int4_words(name, platform):
 
 
 def test_mosaic_picks_mma_sync_for_4_bit_weights_in_8_token_tiles():
-    """mma.sync where it was timed faster (4-bit weights, 8-token tiles), wgmma elsewhere."""
+    """mma.sync where it was timed faster (4-bit weights, 8-token tiles), wgmma elsewhere;
+    32-bit words under mma.sync where the weights allow them."""
     choose = mosaic_gpu_kernel.choose_config
     assert choose(1, 4096, 4096, 128, 4).mma_sync
     assert choose(8, 4096, 4096, 64, 4).mma_sync
     assert not choose(16, 4096, 4096, 128, 4).mma_sync  # 16-token tiles
     assert not choose(1, 4096, 4096, 128, 8).mma_sync  # int8
+    assert choose(1, 4096, 4096, 128, 4, words32=True).words32
+    assert not choose(1, 4096, 4096, 128, 4).words32
+    assert not choose(16, 4096, 4096, 128, 4, words32=True).words32  # wgmma there
 
 
 SYNC = mosaic_gpu_kernel.Config(mma_sync=True, tile_m=8, pieces_per_step=2, num_stages=2)
