@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The 4-bit weight kernels on the device: the dense and grouped quantized matmuls' GPU
-# tests, then their kernel tables (fp4 and int4 dense, int4 as 16-bit words, MXFP4 experts);
+# tests, then their kernel tables (fp4 and int4 dense, MXFP4 experts);
 # logs and tables under $OUT.
-#   device run: bash bench/gpu_fp4.sh [part...]   (parts: tests dense words grouped sweep
+#   device run: bash bench/gpu_fp4.sh [part...]   (parts: tests dense grouped sweep
 #   gpt-oss llama; carry: .whl, from `pip wheel --no-deps . -w .whl`)
 # sweep: the dense kernel's configurations (bench/quantized_matmul_sweep.py); gpt-oss: the
 # gpt-oss-20b shape's batch-1 decode in bf16 and with MXFP4 experts (GPT_OSS_FORMATS);
@@ -10,7 +10,7 @@
 # (copy ../shared/peers into scratch/peers and carry it).
 source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-for part in ${*:-tests dense words grouped}; do
+for part in ${*:-tests dense grouped}; do
   case $part in
   tests)
     timeout -k 5 ${TEST_TIMEOUT:-240} python3 -m pytest "$REPO/tests/test_quantized_matmul.py" \
@@ -23,11 +23,6 @@ for part in ${*:-tests dense words grouped}; do
       --ms 1,16 --formats mxfp4,nvfp4,int4,int4:g128 --force-kernel --no-stock --max-minutes 2 \
       --out "$OUT/fp4_dense.md" > "$OUT/fp4_dense.log" 2>&1
     grep -v "^WARNING" "$OUT/fp4_dense.md" 2>/dev/null || tail -20 "$OUT/fp4_dense.log" ;;
-  words)
-    timeout -k 5 120 python3 "$REPO/bench/quantized_matmul_kernels.py" --shapes llama \
-      --ms 1,16 --formats int4,int4:g128 --force-kernel --int4-words --no-stock \
-      --max-minutes 1.5 --out "$OUT/int4_words.md" > "$OUT/int4_words.log" 2>&1
-    grep -v "^WARNING" "$OUT/int4_words.md" 2>/dev/null || tail -20 "$OUT/int4_words.log" ;;
   grouped)
     timeout -k 5 150 python3 "$REPO/bench/grouped_matmul_kernels.py" --models gpt-oss \
       --quantize ${GROUPED_FORMAT:-mxfp4} --tokens ${GROUPED_TOKENS:-1,8,64} --no-mgpu --max-minutes 2 --words32 \

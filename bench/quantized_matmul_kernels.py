@@ -2,7 +2,7 @@
 
   python bench/quantized_matmul_kernels.py [--quick] [--shapes square,llama] [--ms 1,16,64,...]
                                    [--formats int8,int4,...] [--iters N] [--max-minutes T]
-                                   [--force-kernel [--int4-words]]
+                                   [--force-kernel]
                                    [--out FILE.md] [--json FILE] [--cpu-smoke]
 
 y = x @ W^T with x [M, K] bf16 and W [N, K] (out_features, in_features). One markdown
@@ -26,9 +26,7 @@ table per weight shape, one row per (M, format):
               kernel for int8 / int4 (per channel or group 128) / mxfp4 / nvfp4 up to 16
               tokens, above that the XLA reference (fused dequant); fp8 W8A8 and
               weight-only run XLA's fp8 dot / fused dequant. `--force-kernel`: the Mosaic
-              kernel wherever it takes the inputs, "n/a" elsewhere; `--int4-words`
-              (with it): int4 read as 16-bit words (`int4_words`), the kernel called
-              directly. Before timing, its
+              kernel wherever it takes the inputs, "n/a" elsewhere. Before timing, its
               output is checked against the XLA reference on the same inputs
               (max |ours - ref| <= 2e-2 max |ref| weight-only, 1e-1 W8A8): "FAIL" if not.
   % floor     floor / time (for M <= 16 the floor is the bandwidth one).
@@ -66,7 +64,7 @@ from jaxinfer.benchmarks.harness import (
     short,
     timed_cell,
 )
-from jaxinfer.mosaic.quantized_matmul import quantized_matmul_mgpu, unsupported_reason
+from jaxinfer.mosaic.quantized_matmul import unsupported_reason
 from jaxinfer.ops.linear_registry import linear
 from jaxinfer.ops.quant import parse_format, quantize
 
@@ -209,8 +207,6 @@ def main():
     ap.add_argument("--force-kernel", action="store_true",
                     help="ours: the Mosaic kernel wherever it takes the inputs, even where "
                          "the engine would not pick it (above 16 tokens)")
-    ap.add_argument("--int4-words", action="store_true",
-                    help="with --force-kernel: int4 read as 16-bit words (`int4_words`)")
     ap.add_argument("--no-stock", action="store_true", help="skip jax's stock kernel")
     ap.add_argument("--iters", type=int, help="timed calls per cell (default 10; smoke 3)")
     ap.add_argument("--max-minutes", type=float, default=7.0,
@@ -248,8 +244,6 @@ def main():
     gpu = jax.default_backend() == "gpu"
     ours = jax.jit(functools.partial(
         linear, implementation=None if gpu and not a.force_kernel else "mosaic_gpu"))
-    if a.int4_words:  # the kernel itself (the registry does not ask for this form)
-        ours = jax.jit(functools.partial(quantized_matmul_mgpu, int4_words=True))
     bf16 = jax.jit(linear)
     quantize_on_device = jax.jit(quantize, static_argnums=1)
     tables, records = [], []

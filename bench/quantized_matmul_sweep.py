@@ -3,7 +3,8 @@
 pieces a step, K splits and MMA form, each checked against the XLA reference first.
 
   python bench/quantized_matmul_sweep.py [--shapes decode] [--formats int4:g128,mxfp4]
-      [--ms 1,16] [--wgs 1,2] [--mma wgmma,sync,words32] [--max-minutes T] [--out FILE.md]
+      [--ms 1,16] [--wgs 1,2] [--mma wgmma,sync,words32] [--splits 1,2,4]
+      [--max-minutes T] [--out FILE.md]
 
 Columns: config (wgmma, mma.sync or words32: 4-bit codes as 32-bit words under mma.sync; wgs
 consumers, pps pieces a step, st ring stages, ks K splits), kernel time (CUPTI median over
@@ -49,15 +50,17 @@ MMA_FORMS = {"wgmma": dict(mma_sync=False, words32=False),
              "words32": dict(mma_sync=True, words32=True)}  # int4 and fp4
 
 
-def neighbours(default: qmm.Config, total_pieces: int, wgs_list, forms) -> list[qmm.Config]:
+def neighbours(default: qmm.Config, total_pieces: int, wgs_list, forms,
+               splits_list=None) -> list[qmm.Config]:
     """The default, then configs that tile the same K with other consumer counts, pieces a
-    step, K splits and MMA forms (`MMA_FORMS`; a config the kernel does not take, or that
-    does not fit the shared memory, is reported as n/a)."""
+    step, K splits (`splits_list`, or the default's and twice it) and MMA forms
+    (`MMA_FORMS`; a config the kernel does not take, or that does not fit the shared
+    memory, is reported as n/a)."""
     out = [default]
     for form in forms:
         for wgs in wgs_list:
             for pps in sorted({wgs, 2 * wgs, 4 * wgs, 8 * wgs}):
-                for splits in sorted({default.k_splits, default.k_splits * 2}):
+                for splits in splits_list or sorted({default.k_splits, default.k_splits * 2}):
                     if total_pieces % (pps * splits) or total_pieces // (pps * splits) < 2:
                         continue
                     cfg = dataclasses.replace(default, compute_wgs=wgs, pieces_per_step=pps,
@@ -81,6 +84,7 @@ def main():
     ap.add_argument("--wgs", default="1,2", help="consumer warpgroup counts to try")
     ap.add_argument("--mma", default="wgmma,sync",
                     help=f"MMA forms to try: {', '.join(MMA_FORMS)}")
+    ap.add_argument("--splits", help="K splits to try (default: the default's and twice it)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-minutes", type=float, default=6.0)
     ap.add_argument("--top", type=int, default=6, help="rows a table keeps (fastest first)")
@@ -106,11 +110,13 @@ def main():
             for m in (int(s) for s in a.ms.split(",")):
                 x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
                 want = ref(x, w)
-                default = qmm.choose_config(m, n, k, piece, bits, 2, scales_per_piece)
+                default = qmm.choose_config(m, n, k, piece, bits, 2, scales_per_piece,
+                                            words32=bits == 4 and piece % 64 == 0)
                 rows = []
                 for cfg in neighbours(default, k // piece,
                                       [int(v) for v in a.wgs.split(",")],
-                                      a.mma.split(",")):
+                                      a.mma.split(","),
+                                      a.splits and [int(v) for v in a.splits.split(",")]):
                     if time.perf_counter() > deadline:
                         break
                     fn = jax.jit(functools.partial(qmm.quantized_matmul_mgpu, config=cfg))

@@ -108,6 +108,7 @@ PIECE = 64  # K columns per TMA box: 128 bytes of bf16, one 128-byte swizzle row
 # Quantized weights: K columns per box where the scales allow (128 bytes of int8), so that
 # each TMA and each upcast moves as much as a bf16 box (`piece_cols`).
 QUANT_PIECE = 128
+QUANT_STEP_BYTES = 16384  # quantized weight bytes a step at decode widths (`_quantized_step`)
 MIN_WIDTH = 8  # the narrowest wgmma N
 MAX_WIDTH = 256  # the widest wgmma N
 NUM_SMS = 132  # H100 SXM (the persistent grid on a GPU that does not say)
@@ -213,8 +214,9 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     wider than x (a decode step of 8 rows: 8). One consumer warpgroup
     (64-row N blocks) when two would leave SMs idle: the few-token steps, where at
     most min(M, E) experts are hit. Two K pieces per step while the token tile is
-    narrow (32 KB of weights per step keeps enough bytes in flight per SM); then as
-    many ring slots as fit, up to 8. Decode steps (M <= E, M <= MAX_ROW_ITEMS_M):
+    narrow (32 KB of weights per step keeps enough bytes in flight per SM), quantized
+    ones as many as bring 16 KB (`_quantized_step`); then as many ring slots as fit, up
+    to 8. Decode steps (M <= E, M <= MAX_ROW_ITEMS_M):
     max_rows >= M, so that every group fits one window and the items come from the
     per-row table (`row_items`). When groups span several 128-row windows, a last window
     of up to 32 rows joins the one before (`last_extra`). swiglu (N = 2 N'): the ring
@@ -248,12 +250,33 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     def fits(cfg):
         return smem_bytes(cfg, 2, halves, weight_bits, grouped, interpret, piece) <= SMEM_BYTES
 
+    if weight_bits and max_rows <= 64:
+        box_bytes = ROWS * piece * weight_bits // 8
+        cfg = _quantized_step(cfg, k // piece, halves * cfg.owners * box_bytes, fits)
     while not fits(cfg) and cfg.num_stages > 2:
         cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
     while not fits(cfg) and cfg.max_rows > 2 * MIN_WIDTH and not row_items(m, e, cfg):
         cfg = dataclasses.replace(cfg, max_rows=cfg.max_rows // 2,
                                   last_extra=cfg.last_extra // 2)
     return dataclasses.replace(cfg, words32=words32 and cfg.max_width <= WORDS32_MAX_WIDTH)
+
+
+def _quantized_step(cfg: Config, total_pieces: int, piece_bytes: int, fits) -> Config:
+    """K pieces a step for quantized weights in narrow token tiles: the fewest that bring
+    QUANT_STEP_BYTES of weights (piece_bytes a piece), among the divisors of the pieces
+    from cfg's up to 16 that leave two steps, keep split K's even count and fit four ring
+    slots; the most of those if none brings that much; cfg's if none qualifies. 4-bit
+    boxes of 64 columns are 2 KB: gpt-oss's K (45 pieces) ran one piece a step, and 5 or
+    9 ran its MXFP4 experts 1.2-1.4x faster (bench/NOTES.md, Grouped matmul (Mosaic
+    GPU))."""
+    fitting = [d for d in range(cfg.k_pieces, 17)
+               if total_pieces % d == 0 and total_pieces // d >= 2
+               and (not cfg.split_k or d % 2 == 0)
+               and fits(dataclasses.replace(cfg, k_pieces=d, num_stages=4))]
+    if not fitting:
+        return cfg
+    enough = [d for d in fitting if d * piece_bytes >= QUANT_STEP_BYTES]
+    return dataclasses.replace(cfg, k_pieces=min(enough) if enough else max(fitting))
 
 
 def _swizzled(bits: int = 16, cols: int = PIECE):

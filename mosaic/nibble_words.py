@@ -1,6 +1,8 @@
 """4-bit weights (fp4 e2m1, int4) upcast in registers on Hopper, shared by the Mosaic matmul
-kernels, read as 16-bit words of four codes as XLA packs them (code 4j + i in nibble i of
-word j): each nibble becomes a bf16 with integer ops, already in wgmma's A layout.
+kernels, read as words of codes as XLA packs them: 32-bit words of eight in mma.sync's
+operand layout (int4 and fp4, `words32_mma`, below), or 16-bit words of four (fp4 under
+wgmma: code 4j + i in nibble i of word j), each nibble a bf16 made with integer ops,
+already in wgmma's A layout.
 
 - A piece of P K elements is [rows, P / 4] words; nibble i's [rows, P / 4] array is
   wgmma's A for the piece's elements 4c + i, so x is passed permuted to match
@@ -14,10 +16,10 @@ word j): each nibble becomes a bf16 with integer ops, already in wgmma's A layou
   2^-126 exactly (e2m1's 0.5 lands on a bf16 subnormal). The scales carry 2^SCALE_EXP, so
   that the bf16 products stay normal for any scale in (2^-117, 2^9) (both formats' scales
   are exact in bf16), and the sums take the remaining 2^SUM_EXP.
-- int4 (two's complement): the code xor 8 as the low mantissa bits of 128.0 (bf16
-  0x4300, whose mantissa step is 1) is 136 + v; subtracting 136 leaves v exactly.
-- 4-bit codes as 32-bit words of eight in mma.sync's operand layout, two codes a 32-bit
-  op (`words32_mma`, below): the same bit moves on both halves of a register.
+- int4 (two's complement; 32-bit words only): the code xor 8 as the low mantissa bits of
+  128.0 (bf16 0x4300, whose mantissa step is 1) is 136 + v; subtracting 136 leaves v
+  exactly.
+- 32-bit words: two codes a 32-bit op, the same bit moves on both halves of a register.
 """
 
 from __future__ import annotations
@@ -87,16 +89,6 @@ def nibble_weights(word_array, i: int, scales, interpret: bool):
     half = jnp.where(sign > 0, -0.5, 0.5) * (rest >> 6).astype(jnp.float32)
     value = jnp.where(rest >= 0x0080, bits.astype(jnp.float32) * jnp.float32(2.0 ** 126), half)
     return (value * scales.astype(jnp.float32) * jnp.float32(2.0 ** -126)).astype(jnp.bfloat16)
-
-
-def int4_nibble_weights(word_array, i: int, scales=None):
-    """int4: nibble i of uint16 words [rows, W] -> bf16 values (times `scales`, bf16 from
-    `group_scales(..., exp=0)`, if given)."""
-    code = _shift(word_array, -4 * i) & jnp.uint16(0x000F)
-    biased = lax.bitcast_convert_type((code ^ jnp.uint16(0x0008)) | jnp.uint16(0x4300),
-                                      jnp.bfloat16)
-    w = biased - jnp.bfloat16(136)
-    return w if scales is None else w * scales
 
 
 # --- 4-bit codes as 32-bit words in mma.sync's operand layout ------------------------------

@@ -36,10 +36,11 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
 - The kernel takes any M, in 16-token tiles; the linear registry sends steps of more
   than 16 tokens to XLA (`jaxinfer.ops.linear_registry.MAX_KERNEL_M`).
 
-fp4 weights (MXFP4, NVFP4: e2m1 codes, which Hopper cannot convert) are read as
-16-bit words of four codes in pieces of 64 K elements and made bf16 with integer ops,
-four wgmmas a piece, one per nibble, against x's permuted columns
-(`jaxinfer.mosaic.nibble_words`); XLA multiplies the partial sums by 2^SUM_EXP.
+fp4 weights (MXFP4, NVFP4: e2m1 codes, which Hopper cannot convert) are made bf16 with
+integer ops (`jaxinfer.mosaic.nibble_words`): as 32-bit words under mma.sync where
+`Config.words32` applies, else read as 16-bit words of four codes in pieces of 64 K
+elements, four MMAs a piece, one per nibble, against x's permuted columns; XLA multiplies
+the partial sums by 2^SUM_EXP.
 
 On a machine without a GPU the same kernel runs in Mosaic GPU interpret mode
 (tests); there the upcast weight piece goes through shared memory, because
@@ -99,16 +100,15 @@ class Config:
 MAX_TILE_M = 16
 
 
-def piece_size(w: QuantizedWeight, words: bool = False) -> int:
-    """K elements per piece: the group size, or 128 for per-channel scales; read as words
-    (`nibble_words`), at least 64 (16 words, a k16 wgmma per nibble): fp4's 64 hold
-    several groups, int4's groups of 32 two."""
+def piece_size(w: QuantizedWeight) -> int:
+    """K elements per piece: the group size, or 128 for per-channel scales; fp4's 64
+    (`nibble_words.PIECE`: 16 16-bit words, a k16 MMA per nibble) hold several groups."""
     g = w.group_size
     if w.kind == "fp4":
         return nibble_words.PIECE
     if g == w.shape[1]:
         return 128
-    return max(g, nibble_words.PIECE) if words else g
+    return g
 
 
 def _smem_bytes(cfg: Config, piece: int, value_bits: int, x_bytes: int, scales_per_piece: int,
@@ -127,8 +127,11 @@ def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: 
     about 32 KB of weights per step, four steps in flight, two consumer warpgroups; 4-bit
     weights in 8-token tiles take mma.sync (1.05-1.23x wgmma at one token on the H200;
     16-token tiles and int8 not yet timed with it), reading them as 32-bit words where
-    they can be (words32: int4 or fp4, bf16 x, pieces of a multiple of 64)."""
+    they can be (words32: int4 or fp4, bf16 x, pieces of a multiple of 64), 16 KB a step
+    (int4 g128 1.02-1.08x 32 KB at one token; MXFP4's best was 16 KB too)."""
     tile_m = max(8, -(-min(m, MAX_TILE_M) // 8) * 8)
+    mma_sync = value_bits == 4 and tile_m == 8
+    words32 = words32 and mma_sync
     total_pieces = k // piece
     wgs = 2 if total_pieces % 2 == 0 else 1
     ctas = (n // ROWS) * -(-m // tile_m)
@@ -136,12 +139,12 @@ def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: 
     while ctas * splits * 2 <= NUM_SMS and total_pieces % (splits * 2 * 2 * wgs) == 0:
         splits *= 2
     per_split = total_pieces // splits
-    pps = wgs * max(1, min(8 // wgs, 32768 // (ROWS * piece * value_bits // 8) // wgs))
+    step_bytes = 16384 if words32 else 32768
+    pps = wgs * max(1, min(8 // wgs, step_bytes // (ROWS * piece * value_bits // 8) // wgs))
     while per_split % pps or per_split // pps < 2 and pps > wgs:
         pps -= wgs
     cfg = Config(tile_m=tile_m, pieces_per_step=pps, num_stages=4, compute_wgs=wgs,
-                 k_splits=splits, mma_sync=value_bits == 4 and tile_m == 8)
-    cfg = dataclasses.replace(cfg, words32=words32 and cfg.mma_sync)
+                 k_splits=splits, mma_sync=mma_sync, words32=words32)
     while _smem_bytes(cfg, piece, value_bits, x_bytes, scales_per_piece, interpret) > SMEM_BYTES:
         if cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -165,11 +168,10 @@ def _transforms(dtype, cols: int):
 
 
 def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_per_piece: int,
-            words: str | None, fp4: bool, steps: int, interpret: bool):
+            fp4_words: bool, fp4: bool, steps: int, interpret: bool):
     """scales_per_piece: 0 (per-channel scales, applied at the end), 1 (a group a piece)
-    or the groups a piece holds (read as words). words: None, or "fp4" / "int4" for 4-bit
-    values read as 16-bit words (`nibble_words`); cfg.words32: as 32-bit words, fp4 or
-    int4."""
+    or the groups a piece holds (fp4). fp4_words: fp4 values read as 16-bit words
+    (`nibble_words`); cfg.words32: 4-bit values (fp4 or int4) as 32-bit words."""
     w_smem, x_smem, s_smem, o_smem, a_smem, ready, free = scratch
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("split")
     wg = lax.axis_index("wg")
@@ -191,7 +193,7 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
             for p in range(pps):
                 plgpu.copy_gmem_to_smem(w_ref.at[n_blk, :, p0 + p, :],
                                         w_smem.at[slot, p], ready.at[slot])
-                x_src = x_ref.at[m_blk, p0 + p] if words else x_ref.at[m_blk, :, p0 + p, :]
+                x_src = x_ref.at[m_blk, p0 + p] if fp4_words else x_ref.at[m_blk, :, p0 + p, :]
                 plgpu.copy_gmem_to_smem(x_src, x_smem.at[slot, p], ready.at[slot])
             if grouped:
                 plgpu.copy_gmem_to_smem(scales_ref.at[pl.ds(p0, pps), :, n_blk, :],
@@ -247,18 +249,14 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
                     else:
                         acc = words32_product(acc, slot, p)
                     continue
-                if words:
+                if fp4_words:
                     word_array = plgpu.load(w_smem.at[slot, p], (), layout=lhs)
-                    scales = None if not grouped else nibble_words.group_scales(
+                    scales = nibble_words.group_scales(
                         lambda g, slot=slot, p=p: plgpu.load(
                             s_smem.at[slot, p, g], (), layout=lhs.reduce(1)),
-                        scales_per_piece, word_array.shape,
-                        nibble_words.SCALE_EXP if words == "fp4" else 0, layout=lhs)
+                        scales_per_piece, word_array.shape, layout=lhs)
                     for nib in range(nibble_words.PER_WORD):
-                        if words == "fp4":
-                            w = nibble_words.nibble_weights(word_array, nib, scales, interpret)
-                        else:
-                            w = nibble_words.int4_nibble_weights(word_array, nib, scales)
+                        w = nibble_words.nibble_weights(word_array, nib, scales, interpret)
                         acc = mma(acc, w, x_smem.at[slot, p, nib])
                     continue
                 w = plgpu.load(w_smem.at[slot, p], (), layout=lhs).astype(dtype)
@@ -318,20 +316,15 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
                 mine = range(0, pps, wgs)
                 for j in mine:
                     p = j + wg if wgs > 1 else j
-                    if words:
+                    if fp4_words:
                         word_array = plgpu.load(w_smem.at[slot, p], (),
                                                 layout=plgpu.Layout.WGMMA)
-                        scales = None if not grouped else nibble_words.group_scales(
+                        scales = nibble_words.group_scales(
                             lambda g, slot=slot, p=p: plgpu.load(
                                 s_smem.at[slot, p, g], (), layout=plgpu.Layout.WGMMA.reduce(1)),
-                            scales_per_piece, word_array.shape,
-                            nibble_words.SCALE_EXP if words == "fp4" else 0)
+                            scales_per_piece, word_array.shape)
                         for nib in range(nibble_words.PER_WORD):
-                            if words == "fp4":
-                                w = nibble_words.nibble_weights(word_array, nib, scales,
-                                                                interpret)
-                            else:
-                                w = nibble_words.int4_nibble_weights(word_array, nib, scales)
+                            w = nibble_words.nibble_weights(word_array, nib, scales, interpret)
                             plgpu.wgmma(acc_ref, a_operand(w),
                                         x_smem.at[slot, p, nib].transpose((1, 0)))
                     else:
@@ -339,7 +332,7 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
                                     x_smem.at[slot, p].transpose((1, 0)))
                 # This step's MMAs may still run; the previous step's are done, so its
                 # slot goes back to the producer (if the producer will refill it).
-                plgpu.wgmma_wait(len(mine) * (nibble_words.PER_WORD if words else 1))
+                plgpu.wgmma_wait(len(mine) * (nibble_words.PER_WORD if fp4_words else 1))
 
                 @pl.when((i > 0) & (i - 1 + stages < steps))
                 def _():
@@ -363,21 +356,17 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
 
 
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
-@functools.partial(jax.jit, static_argnames=("config", "int4_words"))
-def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | None = None,
-                          int4_words: bool = False) -> jax.Array:
-    """x [M, K] @ W^T -> [M, N] in x.dtype (see the module docstring). int4_words: int4
-    values (with bf16 x) read as words (`nibble_words`) instead of loaded in the upcast
-    layout and relaid out (an experiment to time; fp4 is always read as words)."""
+@functools.partial(jax.jit, static_argnames=("config",))
+def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
+                          config: Config | None = None) -> jax.Array:
+    """x [M, K] @ W^T -> [M, N] in x.dtype (see the module docstring)."""
     if (reason := unsupported_reason(x, w)) is not None:
         raise ValueError(f"mosaic quantized matmul: {reason}")
     m, k = x.shape
     n = w.shape[0]
     fp4 = w.kind == "fp4"
-    int4_words = int4_words and w.kind == "int4" and x.dtype == jnp.bfloat16
-    words = "fp4" if fp4 else "int4" if int4_words else None
-    piece = piece_size(w, words is not None)
-    words32_ok = (w.kind in ("int4", "fp4") and x.dtype == jnp.bfloat16 and not int4_words
+    piece = piece_size(w)
+    words32_ok = (w.kind in ("int4", "fp4") and x.dtype == jnp.bfloat16
                   and piece % nibble_words.WORD32_TILE == 0)
     scales_per_piece = 0 if w.group_size == k else max(1, piece // w.group_size)
     bits = 4 if w.kind in ("int4", "fp4") else 8
@@ -385,12 +374,10 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | 
     cfg = config or choose_config(m, n, k, piece, bits, x.dtype.itemsize, scales_per_piece,
                                   interpret is not None, words32_ok)
     words32 = cfg.words32
-    if words32:
-        if not words32_ok or not cfg.mma_sync:
-            raise ValueError("mosaic quantized matmul: words32 takes int4 or fp4 weights, "
-                             f"bf16 x, pieces of a multiple of 64 (here {piece}) and "
-                             "mma_sync")
-        words = None  # not the 16-bit words
+    if words32 and (not words32_ok or not cfg.mma_sync):
+        raise ValueError("mosaic quantized matmul: words32 takes int4 or fp4 weights, "
+                         f"bf16 x, pieces of a multiple of 64 (here {piece}) and mma_sync")
+    fp4_words = fp4 and not words32  # fp4 otherwise read as 16-bit words
     pps, wgs, tm, stages = cfg.pieces_per_step, cfg.compute_wgs, cfg.tile_m, cfg.num_stages
     total_pieces = k // piece
     if (total_pieces % (pps * cfg.k_splits) or pps % wgs or wgs not in (1, 2) or tm % 8
@@ -404,7 +391,7 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | 
 
     # Views whose TMA offsets fall on untiled (leading) dimensions only.
     x_pad = jnp.pad(x, ((0, m_tiles * tm - m), (0, 0)))
-    if words:
+    if fp4_words:
         # Words of four codes; x's piece columns 4c + i gathered into nibble i's block.
         values, wp = nibble_words.words(w.values), piece // nibble_words.PER_WORD
         w_view = values.reshape(n_blocks, ROWS, total_pieces, wp)
@@ -432,15 +419,15 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *, config: Config | 
         plgpu.SMEM((stages, pps, scales_per_piece, ROWS), jnp.float32)
         if scales_per_piece else None,
         plgpu.SMEM((wgs, ROWS, tm), jnp.float32),
-        plgpu.SMEM((wgs, ROWS, w_tile[-1] if words else piece), x.dtype,
-                   transforms=_transforms(x.dtype, w_tile[-1] if words else piece))
+        plgpu.SMEM((wgs, ROWS, w_tile[-1] if fp4_words else piece), x.dtype,
+                   transforms=_transforms(x.dtype, w_tile[-1] if fp4_words else piece))
         if interpret else None,
     ]
     copies = 2 * pps + (1 if scales_per_piece else 0)
     barriers = (plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
     kernel_fn = functools.partial(_kernel, cfg=cfg, scales_per_piece=scales_per_piece,
-                                  words=words, fp4=fp4, steps=steps,
+                                  fp4_words=fp4_words, fp4=fp4, steps=steps,
                                   interpret=interpret is not None)
 
     def entry(w_ref, x_ref, s_ref, out_ref):

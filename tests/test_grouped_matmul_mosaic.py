@@ -319,6 +319,15 @@ def test_choose_config_fits_shared_memory():
                                 piece=128, words32=True)
         assert words32.words32 == (words32.max_width <= 128)
         assert dataclasses.replace(words32, words32=False) == cfg
+    # 2 KB boxes (4-bit, 64 columns): pieces a step up to 16 KB of weights, a divisor of
+    # K's pieces (gpt-oss: 45), four ring slots or more; 4 KB boxes keep two (Qwen3).
+    for n, k, want in [(5760, 2880, 5), (2880, 2880, 9)]:
+        cfg = choose_config(4, 32, n, k, weight_bits=4, grouped=2, piece=64, words32=True)
+        assert cfg.k_pieces == want and cfg.num_stages >= 4 and not cfg.split_k
+        assert smem_bytes(cfg, 2, 1, 4, 2, False, 64) <= SMEM_BYTES
+    cfg = choose_config(8, 128, 1536, 2048, swiglu=True, weight_bits=4, grouped=True,
+                        piece=128)
+    assert cfg.k_pieces == 2 and cfg.split_k
     # Interpret mode's upcast buffers at 256-row tiles: max_rows halves until they fit.
     for m, e, n, k in [(262144, 128, 1536, 2048), (8192, 8, 4096, 14336)]:
         for bits in (8, 4):

@@ -248,15 +248,6 @@ def _check_mosaic_kernel(name: str, platform: str, label: str, **options):
         f"{label}: max excess {np.max(np.abs(y - want) - allowance):.3g}")
 
 
-@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
-@pytest.mark.parametrize("name", ["int4_m1", "int4_g128_m16", "int4_g64_m33", "int4_g32_m8",
-                                  "int4_g32_asym_m2"])
-def test_mosaic_int4_words(name, platform):
-    """int4 read as 16-bit words (`int4_words`: per channel, groups of 128 / 64 in one
-    piece, groups of 32 two a piece, zero points) agrees with the oracle."""
-    _check_mosaic_kernel(name, platform, name, int4_words=True)
-
-
 def test_mosaic_picks_mma_sync_for_4_bit_weights_in_8_token_tiles():
     """mma.sync where it was timed faster (4-bit weights, 8-token tiles), wgmma elsewhere;
     32-bit words under mma.sync where the weights allow them."""
@@ -268,6 +259,9 @@ def test_mosaic_picks_mma_sync_for_4_bit_weights_in_8_token_tiles():
     assert choose(1, 4096, 4096, 128, 4, words32=True).words32
     assert not choose(1, 4096, 4096, 128, 4).words32
     assert not choose(16, 4096, 4096, 128, 4, words32=True).words32  # wgmma there
+    # 32-bit words take 16 KB of weights a step (four 4 KB int4 pieces), other forms 32.
+    assert choose(1, 6144, 4096, 128, 4, words32=True).pieces_per_step == 4
+    assert choose(1, 6144, 4096, 128, 4).pieces_per_step == 8
 
 
 SYNC = mosaic_gpu_kernel.Config(mma_sync=True, tile_m=8, pieces_per_step=2, num_stages=2)
@@ -287,11 +281,10 @@ def test_mosaic_words32(name, platform):
 
 @pytest.mark.parametrize("fmt,options", [
     ("int8", {}), ("int4:g128", {}), ("int4:g32:asym", {}),
-    ("int4:g128", dict(int4_words=True)), ("int4:g32", dict(int4_words=True)),
     ("mxfp4", {}), ("nvfp4", {}),
-    # mma.sync in place of wgmma: per-channel and group-wise, fp4 and int4 words.
+    # mma.sync in place of wgmma: per-channel and group-wise, fp4 words.
     ("int8", dict(config=SYNC)), ("int4:g128", dict(config=SYNC)),
-    ("int4:g32:asym", dict(config=SYNC)), ("int4:g128", dict(config=SYNC, int4_words=True)),
+    ("int4:g32:asym", dict(config=SYNC)),
     ("mxfp4", dict(config=SYNC)), ("nvfp4", dict(config=SYNC)),
     ("int4", dict(config=WORDS32)), ("int4:g128", dict(config=WORDS32)),
     ("mxfp4", dict(config=WORDS32)), ("nvfp4", dict(config=WORDS32))])
