@@ -25,7 +25,8 @@ for part in ${*:-tests dense grouped}; do
     grep -v "^WARNING" "$OUT/fp4_dense.md" 2>/dev/null || tail -20 "$OUT/fp4_dense.log" ;;
   grouped)
     timeout -k 5 150 python3 "$REPO/bench/grouped_matmul_kernels.py" --models gpt-oss \
-      --quantize ${GROUPED_FORMAT:-mxfp4} --tokens ${GROUPED_TOKENS:-1,8,64} --no-mgpu --max-minutes 2 --words32 \
+      --quantize ${GROUPED_FORMAT:-mxfp4} --tokens ${GROUPED_TOKENS:-1,8,64} --no-mgpu \
+      --max-minutes 2 --words32 \
       --out "$OUT/fp4_grouped.md" > "$OUT/fp4_grouped.log" 2>&1
     grep -v "^WARNING" "$OUT/fp4_grouped.md" 2>/dev/null || tail -20 "$OUT/fp4_grouped.log" ;;
   sweep)

@@ -78,7 +78,7 @@ from jaxinfer.ops.grouped_matmul_registry import (
     ROW_REDUCE_MAX_M,
     grouped_matmul,
 )
-from jaxinfer.ops.quant import QuantizedWeight, dequantize, quantize
+from jaxinfer.ops.quant import dequantize, quantize
 
 MODELS = {  # name: (experts, top_k, hidden, expert intermediate)
     "qwen3": ("qwen3-30b-a3b", 128, 8, 2048, 768),
@@ -108,34 +108,14 @@ def mgpu_candidates(rows: int) -> list[dict]:
             dict(block_m=64, block_n=64, block_k=64, max_concurrent_steps=4, grid_block_n=1)]
 
 
-def weight_form(w, k: int) -> dict:
-    """`choose_config`'s description of the experts: weight_bits, grouped, piece."""
-    piece = mgm.piece_cols(w, k)
-    if not isinstance(w, QuantizedWeight):
-        return dict(weight_bits=None, grouped=False, piece=piece)
-    bits = 4 if w.kind in ("int4", "fp4") else 8
-    groups = piece // w.group_size if w.kind == "fp4" else w.group_size != k
-    return dict(weight_bits=bits, grouped=groups, piece=piece)
-
-
-def default_config(x, w):
-    """Our default config for x and these experts (`choose_config` as the kernel calls it)."""
-    m, k = x.shape
-    e, n, _ = w.shape
-    form = weight_form(w, k)
-    return mgm.choose_config(m, e, n, k, mgm.num_sms(), **form,
-                             words32=form["weight_bits"] == 4 and form["piece"] % 64 == 0)
-
-
 def sweep_configs(x, w):
     """Our default config for these shapes and a few neighbours (for --sweep): other token
     tiles, consumer counts, ring depths (down to 2, up to twice the default's, as fits)
-    and K pieces a step (every divisor of the pieces up
-    to 16)."""
+    and K pieces a step (every divisor of the pieces up to 16)."""
     k = x.shape[1]
-    base = default_config(x, w)
-    form = weight_form(w, k)
-    total = k // form["piece"]
+    base = mgm.default_config(x, w)
+    bits, scales, piece, fp4_groups = mgm.weight_form(w, k)
+    total = k // piece
     changes = [dict(max_rows=base.max_rows * 2, last_extra=0),
                dict(max_rows=base.max_rows // 2, last_extra=base.last_extra // 2),
                dict(last_extra=0 if base.last_extra else base.max_rows // 4),
@@ -149,11 +129,11 @@ def sweep_configs(x, w):
         cfg = dataclasses.replace(base, **change)
         if not 8 <= cfg.max_rows <= 256:  # (no B width to run)
             continue
-        while (mgm.smem_bytes(cfg, 2, 1, form["weight_bits"], form["grouped"], False,
-                              form["piece"]) > mgm.SMEM_BYTES and cfg.num_stages > 2):
+        while (mgm.smem_bytes(cfg, 2, 1, bits, fp4_groups or scales == "group", False,
+                              piece) > mgm.SMEM_BYTES and cfg.num_stages > 2):
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
         if (cfg.max_width <= 256 and cfg.last_extra % 8 == 0
-                and cfg.last_extra < cfg.max_rows and k % (form["piece"] * cfg.k_pieces) == 0
+                and cfg.last_extra < cfg.max_rows and k % (piece * cfg.k_pieces) == 0
                 and cfg not in out):
             out.append(cfg)
     return out
@@ -162,7 +142,7 @@ def sweep_configs(x, w):
 def words32_config(x, w):
     """Our default config for these 4-bit experts, with their codes as 32-bit words under
     mma.sync (`Config.words32`; for --words32)."""
-    return dataclasses.replace(default_config(x, w), words32=True)
+    return dataclasses.replace(mgm.default_config(x, w), words32=True)
 
 
 def main():

@@ -105,13 +105,10 @@ def main():
             w = jax.jit(quantize, static_argnums=1)(w_float, fmt)
             w_copies = copies((w,), w.nbytes)
             piece = qmm.piece_size(w)
-            scales_per_piece = 0 if w.group_size == k else max(1, piece // w.group_size)
-            bits = 8 if w.kind == "int8" else 4
             for m in (int(s) for s in a.ms.split(",")):
                 x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
                 want = ref(x, w)
-                default = qmm.choose_config(m, n, k, piece, bits, 2, scales_per_piece,
-                                            words32=bits == 4 and piece % 64 == 0)
+                default = qmm.default_config(x, w)
                 rows = []
                 for cfg in neighbours(default, k // piece,
                                       [int(v) for v in a.wgs.split(",")],

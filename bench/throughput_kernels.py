@@ -4,7 +4,7 @@ and the kernels with the most time (summed by name).
 
     python bench/throughput_kernels.py --preset llama3-8b --num-requests 64 \\
         --input-len 1024 --output-len 256 --decode-steps 8
-    python bench/throughput_kernels.py --preset gpt-oss-20b --quantize mxfp4 \
+    python bench/throughput_kernels.py --preset gpt-oss-20b --quantize mxfp4 \\
         --num-requests 1 --input-len 512 --output-len 64 --decode-steps 32   # batch-1 decode
 """
 

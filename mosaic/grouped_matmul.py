@@ -790,16 +790,9 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
     e, n, _ = w.shape
     interpret = mosaic_interpret_params()
     quantized = isinstance(w, QuantizedWeight)
-    weight_bits = (4 if w.kind in ("int4", "fp4") else 8) if quantized else None
-    scales = None if not quantized else "channel" if w.group_size == k else "group"
-    piece = piece_cols(w, k)
-    fp4_groups = piece // w.group_size if quantized and w.kind == "fp4" else 0
+    weight_bits, scales, piece, fp4_groups = weight_form(w, k)
     groups = fp4_groups or scales == "group"  # scale rows a box brings
-    words32_ok = (weight_bits == 4 and x.dtype == jnp.bfloat16
-                  and piece % nibble_words.WORD32_TILE == 0)
-    cfg = config or choose_config(m, e, n, k, num_sms() if interpret is None else NUM_SMS,
-                                  swiglu, weight_bits, groups, interpret is not None, piece,
-                                  words32_ok)
+    cfg = config or default_config(x, w, swiglu)
     # (gate and up blocks of block_n rows each: N / 2 must hold whole blocks)
     fused = swiglu and row_items(m, e, cfg) and (n // 2) % cfg.block_n == 0
     halves = 2 if fused else 1
@@ -829,7 +822,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         return in_group_order(lambda x: grouped_matmul_mgpu(
             x, w, group_sizes, swiglu=swiglu, config=config), x, row_groups)
     words32 = cfg.words32
-    if words32 and not words32_ok:
+    if words32 and not (quantized and nibble_words.takes_words32(w.kind, x.dtype, piece)):
         raise ValueError("mosaic grouped matmul: words32 takes int4 or fp4 experts, bf16 "
                          f"rows and pieces of a multiple of 64 (here {piece})")
     if words32:  # words of eight codes; x's columns in the chunks' order
@@ -915,6 +908,29 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         interpret=interpret,
     )(*operands)
     return swiglu_halves(y, x.dtype) if swiglu and not fused else y
+
+
+def weight_form(w, k: int) -> tuple[int | None, str | None, int, int]:
+    """Experts w [E, N, K] as the kernel streams them: (weight_bits: None for float;
+    scales: None, "channel" or "group"; piece: K columns a box, `piece_cols`; fp4_groups:
+    the scale groups a box holds for fp4, else 0)."""
+    piece = piece_cols(w, k)
+    if not isinstance(w, QuantizedWeight):
+        return None, None, piece, 0
+    bits = 4 if w.kind in ("int4", "fp4") else 8
+    scales = "channel" if w.group_size == k else "group"
+    return bits, scales, piece, piece // w.group_size if w.kind == "fp4" else 0
+
+
+def default_config(x: jax.Array, w, swiglu: bool = False) -> Config:
+    """The config `grouped_matmul_mgpu` picks for x [M, K] and experts w (float, or
+    quantized ones it upcasts in registers: `upcasts_in_registers`), from `choose_config`."""
+    (m, k), (e, n, _) = x.shape, w.shape
+    bits, scales, piece, fp4_groups = weight_form(w, k)
+    interpret = mosaic_interpret_params() is not None
+    words32 = bits == 4 and nibble_words.takes_words32(w.kind, x.dtype, piece)
+    return choose_config(m, e, n, k, NUM_SMS if interpret else num_sms(), swiglu, bits,
+                         fp4_groups or scales == "group", interpret, piece, words32)
 
 
 def upcasts_in_registers(w: QuantizedWeight, x_dtype=None) -> bool:

@@ -107,6 +107,13 @@ WORD32_CODES = 8  # codes per 32-bit word
 WORD32_TILE = 64  # K elements per [64, 8]-word tile: four k16 chunks
 
 
+def takes_words32(kind: str, x_dtype, piece: int) -> bool:
+    """Whether weights of this kind ('int4', 'fp4', ...), against x of x_dtype, in pieces of
+    `piece` K elements, can be read as 32-bit words (`words32_mma`): 4-bit codes, bf16 x
+    (the pairs are made as bf16), pieces of whole [64, 8]-word tiles."""
+    return kind in ("int4", "fp4") and x_dtype == jnp.bfloat16 and piece % WORD32_TILE == 0
+
+
 def words32(values: jax.Array) -> jax.Array:
     """4-bit values [..., K] -> uint32 words [..., K / 8] (XLA's packing: no data moves)."""
     *lead, k = values.shape

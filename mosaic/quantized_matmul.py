@@ -355,6 +355,20 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
     pl.when(wg < wgs)(sync_consumer if cfg.mma_sync else wgmma_consumer)
 
 
+def default_config(x: jax.Array, w: QuantizedWeight) -> Config:
+    """The config `quantized_matmul_mgpu` picks for x [M, K] and w (`choose_config`)."""
+    (m, k), n, piece = x.shape, w.shape[0], piece_size(w)
+    return choose_config(m, n, k, piece, 4 if w.kind in ("int4", "fp4") else 8,
+                         x.dtype.itemsize, _scales_per_piece(w, piece),
+                         mosaic_interpret_params() is not None,
+                         nibble_words.takes_words32(w.kind, x.dtype, piece))
+
+
+def _scales_per_piece(w: QuantizedWeight, piece: int) -> int:
+    """0 for per-channel scales, else the scale groups a piece holds."""
+    return 0 if w.group_size == w.shape[1] else max(1, piece // w.group_size)
+
+
 # Jitted so that call sites with the same shapes (a model's layers) share one lowering.
 @functools.partial(jax.jit, static_argnames=("config",))
 def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
@@ -366,15 +380,12 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
     n = w.shape[0]
     fp4 = w.kind == "fp4"
     piece = piece_size(w)
-    words32_ok = (w.kind in ("int4", "fp4") and x.dtype == jnp.bfloat16
-                  and piece % nibble_words.WORD32_TILE == 0)
-    scales_per_piece = 0 if w.group_size == k else max(1, piece // w.group_size)
-    bits = 4 if w.kind in ("int4", "fp4") else 8
+    scales_per_piece = _scales_per_piece(w, piece)
     interpret = mosaic_interpret_params()
-    cfg = config or choose_config(m, n, k, piece, bits, x.dtype.itemsize, scales_per_piece,
-                                  interpret is not None, words32_ok)
+    cfg = config or default_config(x, w)
     words32 = cfg.words32
-    if words32 and (not words32_ok or not cfg.mma_sync):
+    if words32 and (not nibble_words.takes_words32(w.kind, x.dtype, piece)
+                    or not cfg.mma_sync):
         raise ValueError("mosaic quantized matmul: words32 takes int4 or fp4 weights, "
                          f"bf16 x, pieces of a multiple of 64 (here {piece}) and mma_sync")
     fp4_words = fp4 and not words32  # fp4 otherwise read as 16-bit words
