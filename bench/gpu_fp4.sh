@@ -4,7 +4,8 @@
 # logs and tables under $OUT.
 #   device run: bash bench/gpu_fp4.sh [part...]   (parts: tests dense grouped sweep
 #   gpt-oss llama; carry: .whl, from `pip wheel --no-deps . -w .whl`)
-# sweep: the dense kernel's configurations (bench/quantized_matmul_sweep.py); gpt-oss: the
+# sweep: the dense kernel's configurations (bench/quantized_matmul_sweep.py; more of its
+# options in SWEEP_ARGS, e.g. "--splits 1,2 --share-sm 0,1"); gpt-oss: the
 # gpt-oss-20b shape's batch-1 decode in bf16 and with MXFP4 experts (GPT_OSS_FORMATS);
 # llama: the Llama-3-8B shape's batch-1 decode (LLAMA_FORMATS) beside the plain-torch peer
 # (copy ../shared/peers into scratch/peers and carry it).
@@ -33,7 +34,7 @@ for part in ${*:-tests dense grouped}; do
     timeout -k 5 ${SWEEP_TIMEOUT:-260} python3 "$REPO/bench/quantized_matmul_sweep.py" \
       --shapes ${SWEEP_SHAPES:-decode} --formats ${SWEEP_FORMATS:-int4:g128,mxfp4} \
       --ms ${SWEEP_MS:-1} --wgs ${SWEEP_WGS:-1,2} --mma ${SWEEP_MMA:-wgmma,sync,words32} \
-      --max-minutes ${SWEEP_MINUTES:-3.5} --out "$OUT/sweep.md" > "$OUT/sweep.log" 2>&1
+      --max-minutes ${SWEEP_MINUTES:-3.5} ${SWEEP_ARGS:-} --out "$OUT/sweep.md" > "$OUT/sweep.log" 2>&1
     grep -v "^WARNING" "$OUT/sweep.md" 2>/dev/null || tail -20 "$OUT/sweep.log" ;;
   gpt-oss)
     for fmt in ${GPT_OSS_FORMATS:-bf16 mxfp4}; do  # bf16: no --quantize

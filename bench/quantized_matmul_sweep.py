@@ -1,16 +1,19 @@
 """The Mosaic quantized matmul's configurations side by side on the GPU, one table per
 (shape, format, M): the default (`choose_config`) and its neighbours in consumer warpgroups,
-pieces a step, K splits and MMA form, each checked against the XLA reference first.
+pieces a step, K splits, MMA form and (mma.sync) two CTAs an SM, each checked against the
+XLA reference first. Shape sets: llama and decode (gate_up: one of the two halves), model
+(the Llama-3-8B projections as the model calls them, gate and up as one).
 
   python bench/quantized_matmul_sweep.py [--shapes decode] [--formats int4:g128,mxfp4]
       [--ms 1,16] [--wgs 1,2] [--mma wgmma,sync,words32] [--splits 1,2,4]
-      [--max-minutes T] [--out FILE.md]
+      [--share-sm 0,1] [--max-minutes T] [--out FILE.md]
 
-Columns: config (wgmma, mma.sync or words32: 4-bit codes as 32-bit words under mma.sync; wgs
-consumers, pps pieces a step, st ring stages, ks K splits), kernel time (CUPTI median over
-weights cycled past the L2, as bench/quantized_matmul_kernels.py), % of the bytes floor
-(weight bytes as stored at the copy rate measured in this run) and the ratio to the
-default. "FAIL" where the output disagrees with the reference (2e-2 of max |ref|).
+Columns: config (wgmma, mma.sync or words32: 4-bit codes as 32-bit words under mma.sync;
+wgs consumers, pps pieces a step, st ring stages, ks K splits, "shared SM":
+`Config.share_sm`), kernel time (CUPTI median over weights cycled past the L2, as
+bench/quantized_matmul_kernels.py), % of the bytes floor (weight bytes as stored at the
+copy rate measured in this run) and the ratio to the default. "FAIL" where the output
+disagrees with the reference (2e-2 of max |ref|).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ SHAPES = {  # (name, N, K)
               ("llama3-8b gate_up", 14336, 4096), ("llama3-8b down", 4096, 14336)],
     "decode": [("llama3-8b qkv", 6144, 4096), ("llama3-8b gate_up", 14336, 4096),
                ("llama3-8b down", 4096, 14336)],
+    # as the model calls them (gate and up as one projection)
+    "model": [("llama3-8b qkv", 6144, 4096), ("llama3-8b o", 4096, 4096),
+              ("llama3-8b gate_up (fused)", 28672, 4096), ("llama3-8b down", 4096, 14336)],
     "square": [("square", 8192, 8192)],
     "smoke": [("cpu smoke", 256, 512)],
 }
@@ -51,7 +57,7 @@ MMA_FORMS = {"wgmma": dict(mma_sync=False, words32=False),
 
 
 def neighbours(default: qmm.Config, total_pieces: int, wgs_list, forms,
-               splits_list=None) -> list[qmm.Config]:
+               splits_list=None, share_sm=(False,)) -> list[qmm.Config]:
     """The default, then configs that tile the same K with other consumer counts, pieces a
     step, K splits (`splits_list`, or the default's and twice it) and MMA forms
     (`MMA_FORMS`; a config the kernel does not take, or that does not fit the shared
@@ -63,17 +69,22 @@ def neighbours(default: qmm.Config, total_pieces: int, wgs_list, forms,
                 for splits in splits_list or sorted({default.k_splits, default.k_splits * 2}):
                     if total_pieces % (pps * splits) or total_pieces // (pps * splits) < 2:
                         continue
-                    cfg = dataclasses.replace(default, compute_wgs=wgs, pieces_per_step=pps,
-                                              k_splits=splits, **MMA_FORMS[form])
-                    if cfg not in out:
-                        out.append(cfg)
+                    for share in share_sm:
+                        if share and form == "wgmma":
+                            continue
+                        cfg = dataclasses.replace(default, compute_wgs=wgs,
+                                                  pieces_per_step=pps, k_splits=splits,
+                                                  share_sm=share, **MMA_FORMS[form])
+                        if cfg not in out:
+                            out.append(cfg)
     return out
 
 
 def label(cfg: qmm.Config) -> str:
     form = "words32" if cfg.words32 else "mma.sync" if cfg.mma_sync else "wgmma"
     return (f"{form} wgs {cfg.compute_wgs} pps "
-            f"{cfg.pieces_per_step} st {cfg.num_stages} ks {cfg.k_splits}")
+            f"{cfg.pieces_per_step} st {cfg.num_stages} ks {cfg.k_splits}"
+            f"{' shared SM' if cfg.share_sm else ''}")
 
 
 def main():
@@ -85,6 +96,8 @@ def main():
     ap.add_argument("--mma", default="wgmma,sync",
                     help=f"MMA forms to try: {', '.join(MMA_FORMS)}")
     ap.add_argument("--splits", help="K splits to try (default: the default's and twice it)")
+    ap.add_argument("--share-sm", default="0",
+                    help="mma.sync register hand-over off (1), on (0), or both (0,1)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--max-minutes", type=float, default=6.0)
     ap.add_argument("--top", type=int, default=6, help="rows a table keeps (fastest first)")
@@ -113,7 +126,8 @@ def main():
                 for cfg in neighbours(default, k // piece,
                                       [int(v) for v in a.wgs.split(",")],
                                       a.mma.split(","),
-                                      a.splits and [int(v) for v in a.splits.split(",")]):
+                                      a.splits and [int(v) for v in a.splits.split(",")],
+                                      [bool(int(v)) for v in a.share_sm.split(",")]):
                     if time.perf_counter() > deadline:
                         break
                     fn = jax.jit(functools.partial(qmm.quantized_matmul_mgpu, config=cfg))

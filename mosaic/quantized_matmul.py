@@ -91,6 +91,11 @@ class Config:
     # x's columns permuted to match. The default where it applies: 1.04-1.10x mma.sync on
     # 16-bit loads for int4 g128 and 1.36x the 16-bit fp4 words at one token (H200).
     words32: bool = False
+    # With mma_sync: no register hand-over between warpgroups (`set_max_registers`), so
+    # that every thread keeps ptxas's own count and two CTAs can share an SM where their
+    # shared memory fits (the mma.sync consumers' accumulators are a few registers; with
+    # the hand-over the launch takes 168 a thread, one CTA an SM, ~3 warps a scheduler).
+    share_sm: bool = False
 
 
 # Token tiles wider than 16 give wrong sums on the GPU at times (tile_m 32 failed one GPU
@@ -128,7 +133,9 @@ def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: 
     weights in 8-token tiles take mma.sync (1.05-1.23x wgmma at one token on the H200;
     16-token tiles and int8 not yet timed with it), reading them as 32-bit words where
     they can be (words32: int4 or fp4, bf16 x, pieces of a multiple of 64), 16 KB a step
-    (int4 g128 1.02-1.08x 32 KB at one token; MXFP4's best was 16 KB too)."""
+    (int4 g128 1.02-1.08x 32 KB at one token; MXFP4's best was 16 KB too); over a wave
+    of CTAs, mma.sync consumers keep ptxas's registers so that two CTAs share an SM
+    (`Config.share_sm`)."""
     tile_m = max(8, -(-min(m, MAX_TILE_M) // 8) * 8)
     mma_sync = value_bits == 4 and tile_m == 8
     words32 = words32 and mma_sync
@@ -143,8 +150,11 @@ def choose_config(m: int, n: int, k: int, piece: int, value_bits: int, x_bytes: 
     pps = wgs * max(1, min(8 // wgs, step_bytes // (ROWS * piece * value_bits // 8) // wgs))
     while per_split % pps or per_split // pps < 2 and pps > wgs:
         pps -= wgs
+    # More CTAs than SMs under mma.sync: two a SM (Llama-3-8B's fused int4 gate_up, 448
+    # CTAs: 1.14x at one token, H200); under a wave it changed nothing.
+    share_sm = mma_sync and ctas * splits > NUM_SMS
     cfg = Config(tile_m=tile_m, pieces_per_step=pps, num_stages=4, compute_wgs=wgs,
-                 k_splits=splits, mma_sync=mma_sync, words32=words32)
+                 k_splits=splits, mma_sync=mma_sync, words32=words32, share_sm=share_sm)
     while _smem_bytes(cfg, piece, value_bits, x_bytes, scales_per_piece, interpret) > SMEM_BYTES:
         if cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -181,7 +191,8 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
 
     @pl.when(wg == wgs)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        if not cfg.share_sm:
+            plgpu.set_max_registers(40, action="decrease")
 
         def produce(step, _):
             slot = lax.rem(step, jnp.int32(stages))
@@ -203,7 +214,8 @@ def _kernel(w_ref, x_ref, scales_ref, out_ref, scratch, *, cfg: Config, scales_p
         lax.fori_loop(0, steps, produce, ())
 
     def sync_consumer():
-        plgpu.set_max_registers(232, action="increase")
+        if not cfg.share_sm:
+            plgpu.set_max_registers(232, action="increase")
         dtype = x_smem.dtype
         lhs, rhs, acc_layout = (plgpu.Layout.MMA_LHS(dtype), plgpu.Layout.MMA_RHS(dtype),
                                 plgpu.Layout.MMA_ACC(dtype))

@@ -8,6 +8,7 @@ as NaN, so an unwritten output element fails) and natively under `pytest -m gpu`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -262,11 +263,16 @@ def test_mosaic_picks_mma_sync_for_4_bit_weights_in_8_token_tiles():
     # 32-bit words take 16 KB of weights a step (four 4 KB int4 pieces), other forms 32.
     assert choose(1, 6144, 4096, 128, 4, words32=True).pieces_per_step == 4
     assert choose(1, 6144, 4096, 128, 4).pieces_per_step == 8
+    # Two CTAs an SM (no register hand-over) only where mma.sync CTAs outnumber the SMs.
+    assert choose(1, 28672, 4096, 128, 4, words32=True).share_sm  # 448 CTAs
+    assert not choose(1, 6144, 4096, 128, 4, words32=True).share_sm  # 96
+    assert not choose(16, 28672, 4096, 128, 4).share_sm  # wgmma
 
 
 SYNC = mosaic_gpu_kernel.Config(mma_sync=True, tile_m=8, pieces_per_step=2, num_stages=2)
 WORDS32 = mosaic_gpu_kernel.Config(mma_sync=True, words32=True, tile_m=8, pieces_per_step=2,
                                    num_stages=2)
+WORDS32_SHARED = dataclasses.replace(WORDS32, share_sm=True)
 
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
@@ -279,6 +285,13 @@ def test_mosaic_words32(name, platform):
     _check_mosaic_kernel(name, platform, name, config=WORDS32)
 
 
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name", ["int4_g128_m16", "mxfp4_m5"])
+def test_mosaic_share_sm(name, platform):
+    """mma.sync consumers without the register hand-over (`Config.share_sm`) agree too."""
+    _check_mosaic_kernel(name, platform, name, config=WORDS32_SHARED)
+
+
 @pytest.mark.parametrize("fmt,options", [
     ("int8", {}), ("int4:g128", {}), ("int4:g32:asym", {}),
     ("mxfp4", {}), ("nvfp4", {}),
@@ -287,7 +300,8 @@ def test_mosaic_words32(name, platform):
     ("int4:g32:asym", dict(config=SYNC)),
     ("mxfp4", dict(config=SYNC)), ("nvfp4", dict(config=SYNC)),
     ("int4", dict(config=WORDS32)), ("int4:g128", dict(config=WORDS32)),
-    ("mxfp4", dict(config=WORDS32)), ("nvfp4", dict(config=WORDS32))])
+    ("mxfp4", dict(config=WORDS32)), ("nvfp4", dict(config=WORDS32)),
+    ("int4:g128", dict(config=WORDS32_SHARED))])
 def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, options):
     """The compiled (not interpreted) kernel lowers for a CUDA device from the CPU: every
     op it uses has a Mosaic GPU lowering in its register layout (interpret mode runs the
