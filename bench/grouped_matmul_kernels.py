@@ -110,8 +110,9 @@ def mgpu_candidates(rows: int) -> list[dict]:
 
 def sweep_configs(x, w):
     """Our default config for these shapes and a few neighbours (for --sweep): other token
-    tiles, consumer counts, ring depths (down to 2, up to twice the default's, as fits)
-    and K pieces a step (every divisor of the pieces up to 16)."""
+    tiles, consumer counts, ring depths (down to 2, up to twice the default's, as fits),
+    K pieces a step (every divisor of the pieces up to 16) and, for 32-bit words, two CTAs
+    an SM (`Config.share_sm`: twice the CTAs, each ring in half the shared memory)."""
     k = x.shape[1]
     base = mgm.default_config(x, w)
     bits, scales, piece, fp4_groups = mgm.weight_form(w, k)
@@ -124,13 +125,16 @@ def sweep_configs(x, w):
                dict(num_stages=2 * base.num_stages)]
     changes += [dict(k_pieces=d, split_k=base.split_k and d % 2 == 0)
                 for d in range(1, 17) if total % d == 0 and d != base.k_pieces]
+    if base.words32:
+        changes.append(dict(share_sm=True, num_ctas=2 * mgm.num_sms()))
     out = [base]
     for change in changes:
         cfg = dataclasses.replace(base, **change)
         if not 8 <= cfg.max_rows <= 256:  # (no B width to run)
             continue
+        room = mgm.SMEM_BYTES // 2 - 1024 if cfg.share_sm else mgm.SMEM_BYTES
         while (mgm.smem_bytes(cfg, 2, 1, bits, fp4_groups or scales == "group", False,
-                              piece) > mgm.SMEM_BYTES and cfg.num_stages > 2):
+                              piece) > room and cfg.num_stages > 2):
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
         if (cfg.max_width <= 256 and cfg.last_extra % 8 == 0
                 and cfg.last_extra < cfg.max_rows and k % (piece * cfg.k_pieces) == 0

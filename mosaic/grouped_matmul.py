@@ -147,6 +147,11 @@ class Config:
     # 1.34-1.56x the 16-bit fp4 words under wgmma for gpt-oss's MXFP4 experts at 1 to 64
     # tokens, 1.16x at 256 (128-row tiles; H200).
     words32: bool = False
+    # With words32: no register hand-over between warpgroups (`set_max_registers`), so that
+    # two CTAs can share an SM (num_ctas twice the SMs, each in half the shared memory), as
+    # the dense kernel's `share_sm` (1.14x for its fused int4 gate_up at one token, H200).
+    # Not yet timed here (`bench/grouped_matmul_kernels.py --sweep` tries it).
+    share_sm: bool = False
 
     @property
     def owners(self) -> int:
@@ -470,7 +475,8 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
 
     @pl.when(wg == wgs)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        if not cfg.share_sm:
+            plgpu.set_max_registers(40, action="decrease")
 
         def load_tokens(load_start, k0, slot, p, w):
             if not words16:
@@ -536,7 +542,8 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
 
     @pl.when(wg < wgs)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        if not cfg.share_sm:
+            plgpu.set_max_registers(232, action="increase")
         o_tile = o_smem.at[wg]
 
         def store_rows(row_start, rows, shift, col0):
@@ -822,6 +829,8 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         return in_group_order(lambda x: grouped_matmul_mgpu(
             x, w, group_sizes, swiglu=swiglu, config=config), x, row_groups)
     words32 = cfg.words32
+    if cfg.share_sm and not words32:
+        raise ValueError("mosaic grouped matmul: share_sm takes words32 (mma.sync) consumers")
     if words32 and not (quantized and nibble_words.takes_words32(w.kind, x.dtype, piece)):
         raise ValueError("mosaic grouped matmul: words32 takes int4 or fp4 experts, bf16 "
                          f"rows and pieces of a multiple of 64 (here {piece})")

@@ -146,6 +146,10 @@ QUANT_CASES = [
     ("int4_g128_words32_rows", 10, 12, 128, 256, [3, 0, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1],
      Config(max_rows=16, compute_wgs=1, k_pieces=1, num_stages=2, num_ctas=3, words32=True),
      "int4:g128", {}),
+    # ... without the register hand-over (`Config.share_sm`: two CTAs an SM on a GPU).
+    ("mxfp4_words32_share_sm_rows", 10, 12, 256, 256, [3, 0, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1],
+     Config(max_rows=16, compute_wgs=2, k_pieces=2, num_stages=2, num_ctas=4, words32=True,
+            share_sm=True), "mxfp4", {}),
 ]
 
 
@@ -339,12 +343,13 @@ def test_choose_config_fits_shared_memory():
 
 @pytest.mark.parametrize("fmt,m,words32", [("int4:g128", 10, False), ("mxfp4", 10, False),
                                           ("nvfp4", 300, False), ("mxfp4", 10, True),
-                                          ("int4", 300, True), ("int4:g128", 10, True)])
+                                          ("int4", 300, True), ("int4:g128", 10, True),
+                                          ("mxfp4", 10, "share_sm")])
 def test_kernel_lowers_for_hopper(monkeypatch, fmt, m, words32):
     """The compiled (not interpreted) kernel lowers for a CUDA device from the CPU, per-row
     items (10 rows of 12 experts) and the item table (300), with wgmma or as 32-bit words
-    under mma.sync: every op it uses has a Mosaic GPU lowering in its register layout.
-    Compiling it needs a GPU."""
+    under mma.sync (also without the register hand-over): every op it uses has a Mosaic GPU
+    lowering in its register layout. Compiling it needs a GPU."""
     from jaxinfer.mosaic import grouped_matmul as kernel
     monkeypatch.setattr(kernel, "mosaic_interpret_params", lambda: None)
     w = quantize(np.random.default_rng().standard_normal((12, 256, 256)), fmt)
@@ -354,7 +359,8 @@ def test_kernel_lowers_for_hopper(monkeypatch, fmt, m, words32):
     try:
         config = (dataclasses.replace(kernel.choose_config(
             m, 12, 256, 256, 132, weight_bits=4, grouped=fmt != "int4",
-            piece=kernel.piece_cols(w, 256)), words32=True) if words32 else None)
+            piece=kernel.piece_cols(w, 256)), words32=True, share_sm=words32 == "share_sm")
+            if words32 else None)
         lowered = jax.jit(functools.partial(kernel.grouped_matmul_mgpu, config=config)).trace(
             x, w, sizes).lower(lowering_platforms=("cuda",))
     finally:
