@@ -257,7 +257,7 @@ class Engine(EngineInterface):
         (`PENDING_TOKEN`, taken on the device by the next batch's decodes). None where the
         next batch cannot be planned ahead (penalties), or is empty."""
         s = self.scheduler
-        if any(r.params.has_penalties for r in itertools.chain(s.running, s.waiting)):
+        if s.num_penalized:
             return None
         rows, last = {}, set()
         for row, (req, chunk) in enumerate(current[0]):
@@ -284,28 +284,39 @@ class Engine(EngineInterface):
         self._last_batch = batch
         out = self.runner.collect(pending)
         self.num_steps += 1
-        scheduler, deltas = self.scheduler, []
+        scheduler, deltas, eos = self.scheduler, [], self.eos_token_ids
         sampled = out.tokens.tolist()  # at once: a numpy row's tolist per request costs more
+        no_logprobs = out.logprobs is None
+        computed = generated = 0
+        # (this loop runs for every sequence of every step while the next step is planned
+        # ahead: attribute reads rather than properties, counters summed in locals)
         for s, (req, chunk) in enumerate(batch):
-            if req.finished:  # ended (or aborted) while this batch ran: its row is dropped
-                continue
-            if req.all_ids[-1] == PENDING_TOKEN:  # this batch's token, planned ahead on
-                req.all_ids.pop()
+            if req.finish_reason is not None:  # ended (or aborted) while this batch ran:
+                continue  # its row is dropped
+            ids = req.all_ids
+            if ids[-1] == PENDING_TOKEN:  # this batch's token, planned ahead on
+                ids.pop()
             first = len(chunk.new_tokens)
-            self.num_computed_tokens += first
-            if chunk.num_cached + first < len(req.all_ids):  # a prefill chunk, prompt not done
+            computed += first
+            if chunk.num_cached + first < len(ids):  # a prefill chunk, prompt not done
                 scheduler.cache(req, chunk.num_cached + first)
                 continue
-            rows = ((None, None, None) if out.logprobs is None
-                    else (out.logprobs[s], out.top_ids[s], out.top_logprobs[s]))
-            tokens, logprobs = output.append_tokens(
-                req, sampled[s], *rows, scheduler.remaining(req), self.eos_token_ids)
-            self.num_computed_tokens += len(tokens) - 1
-            self.num_generated_tokens += len(tokens)
+            room = scheduler.remaining(req)
+            if no_logprobs:
+                tokens, logprobs = output.append_tokens(req, sampled[s], None, None, None,
+                                                        room, eos)
+            else:
+                tokens, logprobs = output.append_tokens(
+                    req, sampled[s], out.logprobs[s], out.top_ids[s], out.top_logprobs[s],
+                    room, eos)
+            computed += len(tokens) - 1
+            generated += len(tokens)
             # Step j wrote the k/v of the token before its own: the last token's is not in.
             scheduler.cache(req, chunk.num_cached + first + len(tokens) - 1)
             deltas.append(RequestDelta(req, tokens, output.take_text(req), logprobs,
-                                       req.finished))
+                                       req.finish_reason is not None))
+        self.num_computed_tokens += computed
+        self.num_generated_tokens += generated
         scheduler.release_finished()
         return deltas
 

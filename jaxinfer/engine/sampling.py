@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 
 import jax
@@ -47,11 +48,18 @@ class SamplingTensors:
         # sequence, were most of this function's time.
         floats = np.zeros((size, len(_FLOAT_FIELDS)), np.float32)
         floats[:] = _GREEDY_ROW
-        if n:
+        top_k = np.zeros(size, np.int32)
+        # (identity, not ==: a dataclass's == builds two tuples of its fields)
+        if n and all(map(operator.is_, params, itertools.repeat(params[0]))):
+            # one settings object for the batch (`LLM.generate`'s, the benchmarks')
+            p = params[0]
+            floats[:n] = _GREEDY_ROW if p is None else _float_row(p)
+            top_k[:n] = 0 if p is None else max(p.top_k, 0)
+        elif n:
             floats[:n] = [_GREEDY_ROW if p is None else _float_row(p) for p in params]
+            top_k[:n] = [0 if p is None else max(p.top_k, 0) for p in params]
         arrays = {name: floats[:, i].copy() for i, name in enumerate(_FLOAT_FIELDS)}
-        arrays["top_k"] = np.zeros(size, np.int32)
-        arrays["top_k"][:n] = [0 if p is None else max(p.top_k, 0) for p in params]
+        arrays["top_k"] = top_k
         for name, values in (("seeds", seeds), ("steps", steps)):
             arrays[name] = np.zeros(size, np.int32)
             arrays[name][:len(values)] = values

@@ -28,6 +28,7 @@ preempted.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import deque
 
 from jaxinfer.engine.kv_pages import PagePool, page_hashes
@@ -39,7 +40,7 @@ from jaxinfer.errors import JaxinferError
 PENDING_TOKEN = -1
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # (built for every sequence every step)
 class SeqChunk:
     """One sequence's share of a step: tokens[num_cached : num_cached + len(new_tokens)].
 
@@ -80,6 +81,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_query_tokens = self.prefix_hit_tokens = 0
+        # Requests waiting or running with penalties (which need their whole history each
+        # step): counted as they come and go, not looked for every step.
+        self.num_penalized = 0
 
     def pages_needed(self, prompt_len: int, params: SamplingParams) -> int:
         """Pages for the longest the request can grow (prompt + max_tokens, capped)."""
@@ -88,6 +92,7 @@ class Scheduler:
 
     def add(self, req: Request):
         self.waiting.append(req)
+        self.num_penalized += req.params.has_penalties
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -116,7 +121,9 @@ class Scheduler:
         # The running requests as a set, rebuilt after a preemption in this loop (a list
         # scan per request is quadratic in them).
         preemptions, running = self.num_preemptions, set(self.running)
-        for req in sorted(decoding, key=lambda r: r.id) + sorted(prefilling, key=lambda r: r.id):
+        ps = self.page_size
+        by_id = operator.attrgetter("id")
+        for req in sorted(decoding, key=by_id) + sorted(prefilling, key=by_id):
             if self.num_preemptions != preemptions:
                 preemptions, running = self.num_preemptions, set(self.running)
             if req not in running or req in last:
@@ -124,7 +131,10 @@ class Scheduler:
             n = min(len(req.all_ids) - req.num_cached, budget)
             if n <= 0:
                 break
-            if not self._reserve(req, req.num_cached + n, scheduled, preempt=not ahead):
+            end = req.num_cached + n
+            # (`_reserve` only where a page is needed: most decodes fill their last one)
+            if -(-end // ps) > len(req.pages) and not self._reserve(req, end, scheduled,
+                                                                     preempt=not ahead):
                 continue
             budget -= n
             scheduled.add(req)
@@ -164,15 +174,18 @@ class Scheduler:
             self.running.remove(req)
             self.pool.release(req.pages)
             req.pages = []
+            self.num_penalized -= req.params.has_penalties
 
     def abort(self, req: Request):
         """Drops req from the queue or the running requests (its pages freed)."""
         if req in self.waiting:
             self.waiting.remove(req)
+            self.num_penalized -= req.params.has_penalties
         if req in self.running:
             self.running.remove(req)
             self.pool.release(req.pages)
             req.pages = []
+            self.num_penalized -= req.params.has_penalties
 
     def _admit(self):
         """Moves waiting requests to running while their uncached prompt fits the free pages."""
@@ -218,8 +231,9 @@ class Scheduler:
         return True
 
     def _chunk(self, req: Request, n: int) -> SeqChunk:
-        p = req.params
-        return SeqChunk(new_tokens=req.all_ids[req.num_cached:req.num_cached + n],
-                        num_cached=req.num_cached, pages=req.pages, params=p, seed=req.seed,
-                        step=req.num_output, history=req.all_ids if p.has_penalties else None,
-                        num_prompt=len(req.prompt_ids), remaining=self.remaining(req))
+        p, ids, cached = req.params, req.all_ids, req.num_cached
+        num_prompt = len(req.prompt_ids)
+        step = len(ids) - num_prompt  # req.num_output
+        return SeqChunk(ids[cached:cached + n], cached, req.pages, p, req.seed, step,
+                        ids if p.has_penalties else None, num_prompt,
+                        min(p.max_tokens - step, self.max_model_len - len(ids)))
