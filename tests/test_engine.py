@@ -217,6 +217,34 @@ def test_overlapped_replicas_give_the_solo_outputs():
         assert e.scheduler.pool.num_free == 12 and not any(e.scheduler.pool.ref)
 
 
+def test_penalized_requests_are_counted_and_keep_steps_from_being_planned_ahead():
+    """Requests with penalties need their whole history each step, so while one waits or
+    runs no step is planned ahead; the scheduler counts them as they are added, aborted
+    (waiting or running) and finished, and planning ahead resumes when none is left."""
+    prompts, params = _host_workload(2)
+    params[1] = dataclasses.replace(params[1], repetition_penalty=1.3, max_tokens=3)
+    engine = _host_engine(64, overlap=True)
+    for p, sp in zip(prompts, params, strict=True):
+        engine.add_request(p, sp)
+    s = engine.scheduler
+    assert s.num_penalized == 1
+    waiting = engine.add_request(prompts[0], SamplingParams(max_tokens=4, presence_penalty=0.5))
+    assert s.num_penalized == 2
+    engine.abort(waiting)
+    assert s.num_penalized == 1
+    running = engine.add_request(prompts[2], SamplingParams(max_tokens=9, frequency_penalty=1))
+    seen = []  # (penalized requests before the step, pending decodes planned ahead in it)
+    while engine.has_unfinished():
+        if running in engine.running and running.num_output > 1:
+            engine.abort(running)
+        before, pending = s.num_penalized, engine.runner.num_pending
+        engine.step()
+        seen.append((before, engine.runner.num_pending - pending))
+    assert running.finish_reason == "abort" and s.num_penalized == 0
+    assert all(planned == 0 for before, planned in seen if before)
+    assert any(planned > 0 for before, planned in seen if not before)
+
+
 @pytest.mark.parametrize("decode_steps", [1, 3])
 def test_scheduler_batches_decodes_first_in_budget_and_preempts_the_newest(decode_steps):
     """On a pool far too small (9 pages of 4 tokens for 8 requests of up to 8 pages): every
