@@ -400,6 +400,8 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
                     or not cfg.mma_sync):
         raise ValueError("mosaic quantized matmul: words32 takes int4 or fp4 weights, "
                          f"bf16 x, pieces of a multiple of 64 (here {piece}) and mma_sync")
+    if cfg.share_sm and not cfg.mma_sync:  # (wgmma's consumers need the hand-over)
+        raise ValueError("mosaic quantized matmul: share_sm takes mma_sync consumers")
     fp4_words = fp4 and not words32  # fp4 otherwise read as 16-bit words
     pps, wgs, tm, stages = cfg.pieces_per_step, cfg.compute_wgs, cfg.tile_m, cfg.num_stages
     total_pieces = k // piece

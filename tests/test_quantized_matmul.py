@@ -288,8 +288,13 @@ def test_mosaic_words32(name, platform):
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
 @pytest.mark.parametrize("name", ["int4_g128_m16", "mxfp4_m5"])
 def test_mosaic_share_sm(name, platform):
-    """mma.sync consumers without the register hand-over (`Config.share_sm`) agree too."""
+    """mma.sync consumers without the register hand-over (`Config.share_sm`) agree too;
+    wgmma's consumers, which need the hand-over's registers, refuse it."""
     _check_mosaic_kernel(name, platform, name, config=WORDS32_SHARED)
+    wgmma_shared = mosaic_gpu_kernel.Config(tile_m=8, pieces_per_step=2, num_stages=2,
+                                            share_sm=True)
+    with pytest.raises(ValueError, match="share_sm takes mma_sync"):
+        _check_mosaic_kernel(name, platform, name, config=wgmma_shared)
 
 
 @pytest.mark.parametrize("fmt,options", [

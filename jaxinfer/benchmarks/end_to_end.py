@@ -117,19 +117,28 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
         # ("prompt": a prompt chunk ran)
         tot = {k: dict(seconds=0.0, bytes=0.0, flops=0.0, floor=0.0, steps=0, tokens=0,
                        queries=0) for k in ("all", "decode", "prompt")}
+        # Each step's batch and what it left, kept for the accounting after the run: done
+        # between the steps it would hold up the next one's planning, a host cost the
+        # engine alone does not have.
+        steps = []
         while engine.has_unfinished():
             t = time.perf_counter()
             deltas = engine.step()
             seconds = time.perf_counter() - t
-            produced = {d.request: len(d.token_ids) for d in deltas}
+            batch = engine.last_batch
+            steps.append((seconds, batch, [r.num_cached for r, _ in batch],
+                          {d.request: len(d.token_ids) for d in deltas}))
+        wall = time.perf_counter() - start
+        for seconds, batch, num_cached_after, produced in steps:
             iterations, kv_tokens, flops, queries = 1, 0.0, 0.0, 0
             # A decode-only step runs one token of every request in it, each sampled (also
             # while others wait for a sequence slot: such a step runs no prompt either).
-            decode_only = bool(engine.last_batch) and all(
-                len(chunk.new_tokens) == 1 and r in produced for r, chunk in engine.last_batch)
-            for r, chunk in engine.last_batch:  # what ran, admitted this step or before
+            decode_only = bool(batch) and all(
+                len(chunk.new_tokens) == 1 and r in produced for r, chunk in batch)
+            for (r, chunk), after in zip(batch, num_cached_after, strict=True):
+                # what ran, admitted this step or before
                 cached = chunk.num_cached
-                n = r.num_cached - cached  # queries run: a chunk's tokens, or decode iterations
+                n = after - cached  # queries run: a chunk's tokens, or decode iterations
                 if len(chunk.new_tokens) == 1 and r in produced:  # decoding, n iterations
                     iterations = max(iterations, n)
                     kv_read = n * cached + n * (n + 1) / 2  # contexts cached + 1 .. cached + n
@@ -153,7 +162,7 @@ def bench_throughput(llm, num_requests: int, input_len: int, output_len: int,
                 k["steps"] += 1
                 k["tokens"] += sum(produced.values())
                 k["queries"] += queries
-        tot["all"]["seconds"] = time.perf_counter() - start  # the wall time, not only steps'
+        tot["all"]["seconds"] = wall  # the wall time, not only the steps'
         return tot
 
     # A first pass with other prompts of the same lengths compiles every step shape the
