@@ -289,10 +289,10 @@ class Engine(EngineInterface):
         no_logprobs = out.logprobs is None
         computed = generated = 0
         # (this loop runs for every sequence of every step while the next step is planned
-        # ahead: attribute reads rather than properties, counters summed in locals)
+        # ahead: counters summed in locals)
         for s, (req, chunk) in enumerate(batch):
-            if req.finish_reason is not None:  # ended (or aborted) while this batch ran:
-                continue  # its row is dropped
+            if req.finished:  # ended (or aborted) while this batch ran: its row is dropped
+                continue
             ids = req.all_ids
             if ids[-1] == PENDING_TOKEN:  # this batch's token, planned ahead on
                 ids.pop()
@@ -314,7 +314,7 @@ class Engine(EngineInterface):
             # Step j wrote the k/v of the token before its own: the last token's is not in.
             scheduler.cache(req, chunk.num_cached + first + len(tokens) - 1)
             deltas.append(RequestDelta(req, tokens, output.take_text(req), logprobs,
-                                       req.finish_reason is not None))
+                                       req.finished))
         self.num_computed_tokens += computed
         self.num_generated_tokens += generated
         scheduler.release_finished()

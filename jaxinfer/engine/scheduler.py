@@ -121,7 +121,6 @@ class Scheduler:
         # The running requests as a set, rebuilt after a preemption in this loop (a list
         # scan per request is quadratic in them).
         preemptions, running = self.num_preemptions, set(self.running)
-        ps = self.page_size
         by_id = operator.attrgetter("id")
         for req in sorted(decoding, key=by_id) + sorted(prefilling, key=by_id):
             if self.num_preemptions != preemptions:
@@ -131,10 +130,7 @@ class Scheduler:
             n = min(len(req.all_ids) - req.num_cached, budget)
             if n <= 0:
                 break
-            end = req.num_cached + n
-            # (`_reserve` only where a page is needed: most decodes fill their last one)
-            if -(-end // ps) > len(req.pages) and not self._reserve(req, end, scheduled,
-                                                                     preempt=not ahead):
+            if not self._reserve(req, req.num_cached + n, scheduled, preempt=not ahead):
                 continue
             budget -= n
             scheduled.add(req)
@@ -221,19 +217,18 @@ class Scheduler:
         """Gives req pages for num_tokens tokens, preempting newer unscheduled requests if
         needed (and allowed); False if it must wait."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
+        if need <= 0:  # (most decodes: their last page has room)
+            return True
         while need > self.pool.num_free:
             newer = [r for r in self.running if r.id > req.id and r not in scheduled]
             if not newer or not preempt:
                 return False
             self._preempt(max(newer, key=lambda r: r.id))
-        if need > 0:
-            req.pages = req.pages + self.pool.allocate(need)
+        req.pages = req.pages + self.pool.allocate(need)
         return True
 
     def _chunk(self, req: Request, n: int) -> SeqChunk:
         p, ids, cached = req.params, req.all_ids, req.num_cached
-        num_prompt = len(req.prompt_ids)
-        step = len(ids) - num_prompt  # req.num_output
-        return SeqChunk(ids[cached:cached + n], cached, req.pages, p, req.seed, step,
-                        ids if p.has_penalties else None, num_prompt,
-                        min(p.max_tokens - step, self.max_model_len - len(ids)))
+        return SeqChunk(ids[cached:cached + n], cached, req.pages, p, req.seed, req.num_output,
+                        ids if p.has_penalties else None, len(req.prompt_ids),
+                        self.remaining(req))
