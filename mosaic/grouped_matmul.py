@@ -120,6 +120,10 @@ MAX_ROW_ITEMS_M = 128
 # The widest token tile (max_rows + last_extra) that reads 4-bit experts as 32-bit words
 # under mma.sync by default (the widest timed faster; 256-row tiles are not timed).
 WORDS32_MAX_WIDTH = 128
+# The widest token tile that takes `Config.share_sm` by default, in steps with no more rows
+# than experts (wider tiles, or halved rings, ran slower: bench/NOTES.md, Grouped matmul
+# (Mosaic GPU): Two CTAs an SM).
+SHARE_SM_MAX_WIDTH = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +154,7 @@ class Config:
     # With words32: no register hand-over between warpgroups (`set_max_registers`), so that
     # two CTAs can share an SM (num_ctas twice the SMs, each in half the shared memory), as
     # the dense kernel's `share_sm` (1.14x for its fused int4 gate_up at one token, H200).
-    # Not yet timed here (`bench/grouped_matmul_kernels.py --sweep` tries it).
+    # The default for token tiles up to SHARE_SM_MAX_WIDTH where M <= E (`choose_config`).
     share_sm: bool = False
 
     @property
@@ -232,10 +236,17 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
     split each step's pieces (`split_k`). If two ring slots still do not fit (interpret
     mode's upcast buffers at 256-row tiles), max_rows halves. words32 (the experts can be
     read as 32-bit words: int4 or fp4, bf16 rows, pieces of a multiple of 64): token tiles
-    up to WORDS32_MAX_WIDTH take them (`Config.words32`).
+    up to WORDS32_MAX_WIDTH take them (`Config.words32`); the per-row table only where
+    fewer than half the experts can hold a row (2 M <= E); tiles up to SHARE_SM_MAX_WIDTH
+    in steps of M <= E, two CTAs an SM (`Config.share_sm`).
     """
     mean_rows = m / e
-    if m <= min(MAX_ROW_ITEMS_M, e):  # every group fits one window: the per-row table
+    # 32-bit words pay for every token column of the tile in mma.sync issue slots: where
+    # half the experts or more hold a row (2 M > E), windows of ~3 mean rows beat the
+    # per-row table's M-wide ones (gpt-oss MXFP4 at 8 tokens, 32 rows: 16 against 32 rows,
+    # 1.24x; Qwen3's 64 rows over 128 experts kept the table, H200).
+    per_row = m <= min(MAX_ROW_ITEMS_M, e) and not (words32 and 2 * m > e)
+    if per_row:  # every group fits one window: the per-row table
         max_rows = max(MIN_WIDTH, _pow2_at_least(m))
     else:
         max_rows = 256 if mean_rows >= 512 else min(128, max(16, _pow2_at_least(3 * mean_rows)))
@@ -252,32 +263,49 @@ def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,
                  num_stages=8, last_extra=extra, split_k=split)
     halves = 2 if swiglu and row_items(m, e, cfg) else 1
 
-    def fits(cfg):
-        return smem_bytes(cfg, 2, halves, weight_bits, grouped, interpret, piece) <= SMEM_BYTES
+    def fitted(cfg, room, min_stages):
+        """cfg with its K pieces a step and ring slots (then tile) fitted to `room` bytes."""
+        def fits(cfg):
+            return smem_bytes(cfg, 2, halves, weight_bits, grouped, interpret, piece) <= room
+        if weight_bits and cfg.max_rows <= 64:
+            box_bytes = ROWS * piece * weight_bits // 8
+            cfg = _quantized_step(cfg, k // piece, halves * cfg.owners * box_bytes, fits,
+                                  min_stages)
+        while not fits(cfg) and cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        while not fits(cfg) and cfg.max_rows > 2 * MIN_WIDTH and not row_items(m, e, cfg):
+            cfg = dataclasses.replace(cfg, max_rows=cfg.max_rows // 2,
+                                      last_extra=cfg.last_extra // 2)
+        return cfg, fits(cfg)
 
-    if weight_bits and max_rows <= 64:
-        box_bytes = ROWS * piece * weight_bits // 8
-        cfg = _quantized_step(cfg, k // piece, halves * cfg.owners * box_bytes, fits)
-    while not fits(cfg) and cfg.num_stages > 2:
-        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
-    while not fits(cfg) and cfg.max_rows > 2 * MIN_WIDTH and not row_items(m, e, cfg):
-        cfg = dataclasses.replace(cfg, max_rows=cfg.max_rows // 2,
-                                  last_extra=cfg.last_extra // 2)
-    return dataclasses.replace(cfg, words32=words32 and cfg.max_width <= WORDS32_MAX_WIDTH)
+    cfg, _ = fitted(cfg, SMEM_BYTES, 4)
+    words32 = words32 and cfg.max_width <= WORDS32_MAX_WIDTH
+    if words32 and cfg.max_width <= SHARE_SM_MAX_WIDTH and m <= e:
+        # Two CTAs an SM (interpret mode keeps its few simulated CTAs), each ring in half
+        # the shared memory, where that leaves it three slots or more.
+        shared, fits = fitted(
+            dataclasses.replace(cfg, k_pieces=pieces, num_stages=8, words32=True,
+                                share_sm=True, num_ctas=None if interpret else 2 * sms),
+            SMEM_BYTES // 2 - 1024, 3)
+        if fits and shared.num_stages >= 3 and shared.max_rows == cfg.max_rows:
+            return shared
+    return dataclasses.replace(cfg, words32=words32)
 
 
-def _quantized_step(cfg: Config, total_pieces: int, piece_bytes: int, fits) -> Config:
+def _quantized_step(cfg: Config, total_pieces: int, piece_bytes: int, fits,
+                    min_stages: int = 4) -> Config:
     """K pieces a step for quantized weights in narrow token tiles: the fewest that bring
     QUANT_STEP_BYTES of weights (piece_bytes a piece), among the divisors of the pieces
-    from cfg's up to 16 that leave two steps, keep split K's even count and fit four ring
-    slots; the most of those if none brings that much; cfg's if none qualifies. 4-bit
+    from cfg's up to 16 that leave two steps, keep split K's even count and fit
+    `min_stages` ring slots; the most of those if none brings that much; cfg's if none
+    qualifies. 4-bit
     boxes of 64 columns are 2 KB: gpt-oss's K (45 pieces) ran one piece a step, and 5 or
     9 ran its MXFP4 experts 1.2-1.4x faster (bench/NOTES.md, Grouped matmul (Mosaic
     GPU))."""
     fitting = [d for d in range(cfg.k_pieces, 17)
                if total_pieces % d == 0 and total_pieces // d >= 2
                and (not cfg.split_k or d % 2 == 0)
-               and fits(dataclasses.replace(cfg, k_pieces=d, num_stages=4))]
+               and fits(dataclasses.replace(cfg, k_pieces=d, num_stages=min_stages))]
     if not fitting:
         return cfg
     enough = [d for d in fitting if d * piece_bytes >= QUANT_STEP_BYTES]

@@ -20,6 +20,7 @@ import pytest
 
 from jaxinfer.mosaic.grouped_matmul import (
     MIN_WIDTH,
+    NUM_SMS,
     SMEM_BYTES,
     Config,
     _row_item,
@@ -300,6 +301,20 @@ def test_row_items_only_where_rows_are_few():
         assert row_items(m, e, cfg) == want, (m, e)
 
 
+def test_words32_leave_the_row_table_where_most_experts_hold_a_row():
+    """32-bit-word experts: gpt-oss's 8-token step (32 rows, 32 experts) takes 16-row
+    windows from the item table, not 32-row ones from the per-row table, two CTAs an SM;
+    Qwen3's (64 rows, 128 experts) keeps the table; wgmma's tiles keep it for both."""
+    for m, e, n, k, piece, table in [(32, 32, 5760, 2880, 64, False),
+                                     (64, 128, 1536, 2048, 128, True)]:
+        for words32 in (False, True):
+            cfg = choose_config(m, e, n, k, weight_bits=4, grouped=True, piece=piece,
+                                words32=words32)
+            assert row_items(m, e, cfg) == (table or not words32), (m, e, words32)
+            assert cfg.words32 == words32
+        assert table or (cfg.max_rows == 16 and cfg.share_sm)
+
+
 def test_choose_config_fits_shared_memory():
     for m, e, n, k in [(8, 128, 1536, 2048), (512, 128, 2048, 768), (32768, 128, 1536, 2048),
                        (2, 8, 28672, 4096), (8192, 8, 4096, 14336)]:
@@ -322,13 +337,23 @@ def test_choose_config_fits_shared_memory():
         words32 = choose_config(m, e, n, k, swiglu=swiglu, weight_bits=bits, grouped=True,
                                 piece=128, words32=True)
         assert words32.words32 == (words32.max_width <= 128)
-        assert dataclasses.replace(words32, words32=False) == cfg
+        # Narrow tiles with no more rows than experts: two CTAs an SM, each ring in half
+        # (where three slots fit: 4-bit boxes).
+        narrow = words32.words32 and words32.max_width <= 16 and m <= e
+        assert (words32.share_sm <= narrow) and (bits == 8 or words32.share_sm == narrow)
+        room = SMEM_BYTES // 2 - 1024 if words32.share_sm else SMEM_BYTES
+        assert smem_bytes(words32, 2, halves, bits, True, False, 128) <= room
+        if words32.share_sm:
+            assert words32.num_ctas == 2 * NUM_SMS and words32.num_stages >= 3
+        else:
+            assert dataclasses.replace(words32, words32=False) == cfg
     # 2 KB boxes (4-bit, 64 columns): pieces a step up to 16 KB of weights, a divisor of
-    # K's pieces (gpt-oss: 45), four ring slots or more; 4 KB boxes keep two (Qwen3).
+    # K's pieces (gpt-oss: 45), as many as leave three ring slots in half the shared
+    # memory (two CTAs an SM).
     for n, k, want in [(5760, 2880, 5), (2880, 2880, 9)]:
         cfg = choose_config(4, 32, n, k, weight_bits=4, grouped=2, piece=64, words32=True)
-        assert cfg.k_pieces == want and cfg.num_stages >= 4 and not cfg.split_k
-        assert smem_bytes(cfg, 2, 1, 4, 2, False, 64) <= SMEM_BYTES
+        assert cfg.k_pieces == want and cfg.num_stages >= 3 and not cfg.split_k
+        assert cfg.share_sm and smem_bytes(cfg, 2, 1, 4, 2, False, 64) <= SMEM_BYTES // 2
     cfg = choose_config(8, 128, 1536, 2048, swiglu=True, weight_bits=4, grouped=True,
                         piece=128)
     assert cfg.k_pieces == 2 and cfg.split_k
