@@ -3,12 +3,14 @@
 # tests, then their kernel tables (fp4 and int4 dense, MXFP4 experts);
 # logs and tables under $OUT.
 #   device run: bash bench/gpu_fp4.sh [part...]   (parts: tests dense grouped sweep
-#   gpt-oss llama; carry: .whl, from `pip wheel --no-deps . -w .whl`)
+#   gpt-oss llama qwen3 sequence; carry: .whl, from `pip wheel --no-deps . -w .whl`)
 # sweep: the dense kernel's configurations (bench/quantized_matmul_sweep.py; more of its
 # options in SWEEP_ARGS, e.g. "--splits 1,2 --share-sm 0,1"); gpt-oss: the
 # gpt-oss-20b shape's batch-1 decode in bf16 and with MXFP4 experts (GPT_OSS_FORMATS);
 # llama: the Llama-3-8B shape's batch-1 decode (LLAMA_FORMATS) beside the plain-torch peer
-# (copy ../shared/peers into scratch/peers and carry it).
+# (copy ../shared/peers into scratch/peers and carry it); qwen3: the Qwen3-30B-A3B shape's
+# (QWEN3_FORMATS); sequence: a decode token's kernels in order, as JSON (SEQUENCE_RUNS of
+# preset:format).
 source "$(dirname "$0")/device_env.sh"  # wheel -> /tmp/site, $OUT, $REPO, cd /tmp
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 for part in ${*:-tests dense grouped}; do
@@ -42,6 +44,21 @@ for part in ${*:-tests dense grouped}; do
         --batch 1 --input-len 512 --output-len 128 --kv-cache-gb 8 --decode-steps 32 \
         $([ $fmt = bf16 ] || echo --quantize $fmt) --json "$OUT/gpt_oss_$fmt.json" > "$OUT/gpt_oss_$fmt.log" 2>&1
       grep -v "^WARNING" "$OUT/gpt_oss_$fmt.log" | tail -6
+    done ;;
+  qwen3)  # quantizing 61 GB of random bf16 weights at load takes ~2 minutes
+    for fmt in ${QWEN3_FORMATS:-int4:g128}; do
+      timeout -k 5 360 python3 -m jaxinfer.cli.main bench latency --preset qwen3-30b-a3b \
+        --batch 1 --input-len 512 --output-len 128 --kv-cache-gb 8 --decode-steps 32 \
+        --quantize $fmt --json "$OUT/qwen3_${fmt//:/_}.json" > "$OUT/qwen3_${fmt//:/_}.log" 2>&1
+      grep -v "^WARNING" "$OUT/qwen3_${fmt//:/_}.log" | tail -6
+    done ;;
+  sequence)  # each decode kernel of a token, in order (host_overhead.py --sequence)
+    for run in ${SEQUENCE_RUNS:-llama3-8b:int4:g128 gpt-oss-20b:mxfp4}; do
+      preset=${run%%:*} fmt=${run#*:}
+      timeout -k 5 240 python3 "$REPO/bench/host_overhead.py" --preset $preset --batch 1 \
+        --ctx 512 --decode-steps 32 --steps 2 --quantize $fmt --sequence 300 \
+        --json "$OUT/sequence_${preset}_${fmt//:/_}.json" > "$OUT/sequence_$preset.log" 2>&1
+      grep -v "^WARNING" "$OUT/sequence_$preset.log" | tail -2
     done ;;
   llama)
     for fmt in ${LLAMA_FORMATS:-bf16 int4:g128}; do
