@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
+import time
 
 import click
 import jax.numpy as jnp
@@ -80,6 +82,40 @@ def test_bench_latency_tiny(tmp_path, preset):
         2 * (others + config.hidden_size + k_of_e * experts), abs=1)
     kv = (20 + 6 // 2) * config.kv_bytes_per_token(2)
     assert data["rows"][0]["bytes"] == pytest.approx(data["step_weight_bytes"] + kv)
+
+
+def test_bench_latency_times_no_compile(monkeypatch):
+    """`bench_latency`'s timed runs compile nothing, without the serving warm-up (the CLI
+    skips it when the KV cache's size is given): its untimed first run compiles what they
+    take and waits for the next page bucket's program, which it starts in the background
+    (1040 tokens of context: past half of the smallest page bucket, WARMUP_CONTEXT's)."""
+    from jaxinfer import LLM
+    from jaxinfer.benchmarks.end_to_end import bench_latency
+    from jaxinfer.benchmarks.harness import Ceilings
+    from jaxinfer.engine.compiled_steps import CompiledSteps
+
+    config = dataclasses.replace(preset_config("tiny"), max_position_embeddings=4096)
+    llm = LLM(random_model(config, jnp.float32), kv_cache_bytes=1 << 23)
+    builds, batches = [], []
+    build, add_request = CompiledSteps._build, llm.engine.add_request
+
+    def counted_build(self, shape):
+        program = build(self, shape)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(2.0)  # a background compile slower than the rest of the first run
+        builds.append((len(batches), shape))  # (the run it finished in, 1 = the first)
+        return program
+
+    def counted_add(*args, **kwargs):
+        batches.append(1)
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(CompiledSteps, "_build", counted_build)
+    monkeypatch.setattr(llm.engine, "add_request", counted_add)
+    r, _ = bench_latency(llm, 1030, 10, 1, Ceilings(1e11, 1e12), repeats=2)
+    assert len(batches) == 3 and r["itl_ms"] > 0
+    assert builds and all(run == 1 for run, _ in builds), builds
+    assert len({shape.pages_per_seq for _, shape in builds}) >= 2  # the prefetch among them
 
 
 def hand_count(c) -> tuple[int, int, int]:

@@ -52,6 +52,8 @@ def bench_latency(llm, input_len: int, output_len: int, batch: int, ceilings: Ce
         return ttft, decode / max(output_len - 1, 1)
 
     run()  # compile every bucket this shape touches
+    for runner in llm.engine.runners:  # and wait for those compiling in the background
+        runner.steps.compile_many(runner.steps.shapes())
     runs = [run() for _ in range(repeats)]
     ttft, itl = (statistics.median(x) for x in zip(*runs, strict=True))
     w_bytes = step_reads(llm.model).step_bytes(batch)  # a decode step of `batch` tokens
