@@ -113,7 +113,7 @@ def sweep_configs(x, w):
     tiles, consumer counts, ring depths (down to 2, up to twice the default's, as fits),
     K pieces a step (every divisor of the pieces up to 16) and, for 32-bit words, two CTAs
     an SM (`Config.share_sm`: twice the CTAs, each ring in half the shared memory), alone
-    and with half the token tile."""
+    and with half the token tile, or one where the default shares."""
     k = x.shape[1]
     base = mgm.default_config(x, w)
     bits, scales, piece, fp4_groups = mgm.weight_form(w, k)
@@ -127,7 +127,9 @@ def sweep_configs(x, w):
     changes += [dict(k_pieces=d, split_k=base.split_k and d % 2 == 0)
                 for d in range(1, 17) if total % d == 0 and d != base.k_pieces]
     changes.append(dict(max_rows=mgm.MIN_WIDTH, last_extra=0))
-    if base.words32:
+    if base.share_sm:  # one CTA an SM, its ring as deep as fits the whole shared memory
+        changes.append(dict(share_sm=False, num_ctas=None, num_stages=8))
+    elif base.words32:
         shared = dict(share_sm=True, num_ctas=2 * mgm.num_sms())
         changes += [shared, dict(shared, max_rows=base.max_rows // 2,
                                  last_extra=base.last_extra // 2)]
