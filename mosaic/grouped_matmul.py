@@ -298,10 +298,9 @@ def _quantized_step(cfg: Config, total_pieces: int, piece_bytes: int, fits,
     QUANT_STEP_BYTES of weights (piece_bytes a piece), among the divisors of the pieces
     from cfg's up to 16 that leave two steps, keep split K's even count and fit
     `min_stages` ring slots; the most of those if none brings that much; cfg's if none
-    qualifies. 4-bit
-    boxes of 64 columns are 2 KB: gpt-oss's K (45 pieces) ran one piece a step, and 5 or
-    9 ran its MXFP4 experts 1.2-1.4x faster (bench/NOTES.md, Grouped matmul (Mosaic
-    GPU))."""
+    qualifies. 4-bit boxes of 64 columns are 2 KB: gpt-oss's K (45 pieces) ran one piece
+    a step, and 5 or 9 ran its MXFP4 experts 1.2-1.4x faster (bench/NOTES.md, Grouped
+    matmul (Mosaic GPU))."""
     fitting = [d for d in range(cfg.k_pieces, 17)
                if total_pieces % d == 0 and total_pieces // d >= 2
                and (not cfg.split_k or d % 2 == 0)
