@@ -356,6 +356,34 @@ class FoldedRMSNorm(RMSNorm):
         return x, RowNorm.of(x.astype(jnp.float32), self.eps)
 
 
+class InputScaledRMSNorm(RMSNorm):
+    """An RMSNorm in front of projections that cannot take its scale into their weights
+    (quantized ones keep their values as stored; `FoldedRMSNorm` for float ones): it hands
+    them x * scale (rounded to x's dtype) and its `RowNorm`, and they scale their output
+    rows by 1 / rms(x), as linear(x * scale, W, row_scale=1 / rms(x)) = linear(norm(x), W).
+
+    Why: the multiply by the scale no longer waits for the rows' sums of squares, so XLA
+    can fuse those sums into the residual add before them, as it does for folded norms,
+    and the multiply into the kernel that permutes x for a 4-bit product: two kernels
+    where a plain norm took three (the add, the sums, the normalising multiply).
+    """
+
+    @classmethod
+    def of(cls, norm: RMSNorm) -> InputScaledRMSNorm:
+        """`norm` (its scale and eps) as an input-scaled norm."""
+        scale = norm.scale
+        scaled = abstract_module(lambda: cls(scale.shape[0], eps=norm.eps, dtype=scale.dtype,
+                                             axes=scale.get_metadata()["axes"]))
+        scaled.scale = nnx.Param(scale.get_value(), axes=scale.get_metadata()["axes"])
+        return scaled
+
+    def projection_input(self, x):
+        """(x * scale in x's dtype, x's `RowNorm`)."""
+        x32 = x.astype(jnp.float32)
+        return ((x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype),
+                RowNorm.of(x32, self.eps))
+
+
 def _scaled_columns(arrays):
     """(w [N, K], scale [K]) -> w * scale in float32, back in w's dtype."""
     w, scale = arrays
