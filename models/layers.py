@@ -7,7 +7,8 @@ and any projection may be quantized (`Linear.set_quantized`, parts `weight`,
     gate/up: `gate_up_proj`): one Linear over their rows joined per shard (one GEMM
     where there were three or two), or one Linear each where their formats differ;
   * the norm in front of float projections is a `FoldedRMSNorm`: its scale is multiplied
-    into their weights, and they scale their output rows by 1 / rms(x) instead.
+    into their weights, and they scale their output rows by 1 / rms(x) instead; in front
+    of quantized ones an `InputScaledRMSNorm`: its scale on x, the same row scale.
 A checkpoint stores each projection and norm under its own key (`layers.3.attn.q_proj.weight`,
 `layers.3.input_norm.scale`); `jaxinfer.models.inference_form` builds this form from those
 keys once, when a model is loaded.
@@ -363,9 +364,10 @@ class InputScaledRMSNorm(RMSNorm):
     rows by 1 / rms(x), as linear(x * scale, W, row_scale=1 / rms(x)) = linear(norm(x), W).
 
     Why: the multiply by the scale no longer waits for the rows' sums of squares, so XLA
-    can fuse those sums into the residual add before them, as it does for folded norms,
-    and the multiply into the kernel that permutes x for a 4-bit product: two kernels
-    where a plain norm took three (the add, the sums, the normalising multiply).
+    may fuse those sums into the residual add before them, as it does for folded norms:
+    two kernels where a plain norm took three at batch 1 (the add, the sums, the
+    normalising multiply with the permutation of x for a 4-bit product), a prediction not
+    yet timed (bench/NOTES.md, Linear and quantized matmul: Open).
     """
 
     @classmethod
