@@ -306,6 +306,15 @@ class RMSNorm(nnx.Module):
                                axes=axes or P("embed"))
         self.eps = eps
 
+    @classmethod
+    def of(cls, norm: RMSNorm):
+        """`norm` (its scale, the same array, and eps) as this kind of norm."""
+        scale = norm.scale
+        out = abstract_module(lambda: cls(scale.shape[0], eps=norm.eps, dtype=scale.dtype,
+                                          axes=scale.get_metadata()["axes"]))
+        out.scale = nnx.Param(scale.get_value(), axes=scale.get_metadata()["axes"])
+        return out
+
     def inv_rms(self, x):
         """x [..., dim] -> 1 / rms(x) [..., 1] float32."""
         return inverse_rms(x.astype(jnp.float32), self.eps)
@@ -343,15 +352,6 @@ class FoldedRMSNorm(RMSNorm):
     into the projections).
     """
 
-    @classmethod
-    def of(cls, norm: RMSNorm) -> FoldedRMSNorm:
-        """`norm` (its scale and eps) as a folded norm."""
-        scale = norm.scale
-        folded = abstract_module(lambda: cls(scale.shape[0], eps=norm.eps, dtype=scale.dtype,
-                                             axes=scale.get_metadata()["axes"]))
-        folded.scale = nnx.Param(scale.get_value(), axes=scale.get_metadata()["axes"])
-        return folded
-
     def projection_input(self, x):
         """(x, its `RowNorm`: the projections' row scale is its 1 / rms)."""
         return x, RowNorm.of(x.astype(jnp.float32), self.eps)
@@ -369,15 +369,6 @@ class InputScaledRMSNorm(RMSNorm):
     normalising multiply with the permutation of x for a 4-bit product), a prediction not
     yet timed (bench/NOTES.md, Linear and quantized matmul: Open).
     """
-
-    @classmethod
-    def of(cls, norm: RMSNorm) -> InputScaledRMSNorm:
-        """`norm` (its scale and eps) as an input-scaled norm."""
-        scale = norm.scale
-        scaled = abstract_module(lambda: cls(scale.shape[0], eps=norm.eps, dtype=scale.dtype,
-                                             axes=scale.get_metadata()["axes"]))
-        scaled.scale = nnx.Param(scale.get_value(), axes=scale.get_metadata()["axes"])
-        return scaled
 
     def projection_input(self, x):
         """(x * scale in x's dtype, x's `RowNorm`)."""
