@@ -29,12 +29,11 @@ from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 
 
 class DecoderLayer(nnx.Module):
-    """x + attn(input_norm(x)), then + mlp(post_attn_norm(x)). In front of projections a
-    norm is a `FoldedRMSNorm` (float ones: its scale in their weights) or an
-    `InputScaledRMSNorm` (quantized ones: x times its scale), that hands them x and its
-    `RowNorm` (`projection_input`: they scale their rows by its 1 / rms); an MoE block's
-    norm stays a plain `RMSNorm` (its experts read the normalised input) and its router may
-    hold the scale."""
+    """x + attn(input_norm(x)), then + mlp(post_attn_norm(x)). A norm is an `RMSNorm` or, in
+    front of float projections, a `FoldedRMSNorm` (its scale in their weights) that hands
+    them x and its `RowNorm` instead (`projection_input`: they scale their rows by its
+    1 / rms); an MoE block's norm stays plain (its experts read the normalised input) and
+    its router may hold the scale."""
 
     def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)

@@ -8,10 +8,8 @@ which its classes define (`jaxinfer.models.layers`, `jaxinfer.models.moe`):
     each: their rows joined per shard into one Linear (`join_linears`, one GEMM) where
     they share a format, else (a GGUF's mixed formats) one Linear each in the group;
   * a norm in front of float projections is a `FoldedRMSNorm`, its scale multiplied into
-    their weights (`Linear.fold_scale`), and in front of quantized ones an
-    `InputScaledRMSNorm` (its scale on x, the row scale on their outputs); an MoE router
-    without bias takes its norm's scale the same way (`FoldedRouter`), the norm itself
-    staying for the experts.
+    their weights (`Linear.fold_scale`); an MoE router without bias takes its norm's scale
+    the same way (`FoldedRouter`), the norm itself staying for the experts.
 
 `inference_model` builds that form from parameters already placed on their devices (each
 checkpoint tensor laid out for the mesh's tp by `jaxinfer.sharding.ParamPlacer`), once:
@@ -39,7 +37,6 @@ from jaxinfer.models.decoder import Decoder
 from jaxinfer.models.layers import (
     MLP,
     FoldedRMSNorm,
-    InputScaledRMSNorm,
     Linear,
     ProjectionGroup,
     abstract_module,
@@ -164,15 +161,11 @@ def _fold_norms(model: Decoder, folded: frozenset[str] | None):
         norm = layer.input_norm
         if folds(f"layers.{i}.input_norm", layer.attn.qkv_proj.linears, norm.scale.get_value()):
             layer.input_norm = FoldedRMSNorm.of(norm)
-        else:
-            layer.input_norm = InputScaledRMSNorm.of(norm)
         norm, mlp = layer.post_attn_norm, layer.mlp
         if isinstance(mlp, MLP):
             if folds(f"layers.{i}.post_attn_norm", mlp.gate_up_proj.linears,
                      norm.scale.get_value()):
                 layer.post_attn_norm = FoldedRMSNorm.of(norm)
-            else:
-                layer.post_attn_norm = InputScaledRMSNorm.of(norm)
         elif mlp.router.bias is None and folds(f"layers.{i}.mlp.router", [mlp.router],
                                                norm.scale.get_value()):
             mlp.router = FoldedRouter.of(mlp.router)

@@ -7,8 +7,7 @@ and any projection may be quantized (`Linear.set_quantized`, parts `weight`,
     gate/up: `gate_up_proj`): one Linear over their rows joined per shard (one GEMM
     where there were three or two), or one Linear each where their formats differ;
   * the norm in front of float projections is a `FoldedRMSNorm`: its scale is multiplied
-    into their weights, and they scale their output rows by 1 / rms(x) instead; in front
-    of quantized ones an `InputScaledRMSNorm`: its scale on x, the same row scale.
+    into their weights, and they scale their output rows by 1 / rms(x) instead.
 A checkpoint stores each projection and norm under its own key (`layers.3.attn.q_proj.weight`,
 `layers.3.input_norm.scale`); `jaxinfer.models.inference_form` builds this form from those
 keys once, when a model is loaded.
@@ -306,15 +305,6 @@ class RMSNorm(nnx.Module):
                                axes=axes or P("embed"))
         self.eps = eps
 
-    @classmethod
-    def of(cls, norm: RMSNorm):
-        """`norm` (its scale, the same array, and eps) as this kind of norm."""
-        scale = norm.scale
-        out = abstract_module(lambda: cls(scale.shape[0], eps=norm.eps, dtype=scale.dtype,
-                                          axes=scale.get_metadata()["axes"]))
-        out.scale = nnx.Param(scale.get_value(), axes=scale.get_metadata()["axes"])
-        return out
-
     def inv_rms(self, x):
         """x [..., dim] -> 1 / rms(x) [..., 1] float32."""
         return inverse_rms(x.astype(jnp.float32), self.eps)
@@ -352,29 +342,18 @@ class FoldedRMSNorm(RMSNorm):
     into the projections).
     """
 
+    @classmethod
+    def of(cls, norm: RMSNorm) -> FoldedRMSNorm:
+        """`norm` (its scale and eps) as a folded norm."""
+        scale = norm.scale
+        folded = abstract_module(lambda: cls(scale.shape[0], eps=norm.eps, dtype=scale.dtype,
+                                             axes=scale.get_metadata()["axes"]))
+        folded.scale = nnx.Param(scale.get_value(), axes=scale.get_metadata()["axes"])
+        return folded
+
     def projection_input(self, x):
         """(x, its `RowNorm`: the projections' row scale is its 1 / rms)."""
         return x, RowNorm.of(x.astype(jnp.float32), self.eps)
-
-
-class InputScaledRMSNorm(RMSNorm):
-    """An RMSNorm in front of projections that cannot take its scale into their weights
-    (quantized ones keep their values as stored; `FoldedRMSNorm` for float ones): it hands
-    them x * scale (rounded to x's dtype) and its `RowNorm`, and they scale their output
-    rows by 1 / rms(x), as linear(x * scale, W, row_scale=1 / rms(x)) = linear(norm(x), W).
-
-    Why: the multiply by the scale no longer waits for the rows' sums of squares, so XLA
-    may fuse those sums into the residual add before them, as it does for folded norms:
-    two kernels where a plain norm took three at batch 1 (the add, the sums, the
-    normalising multiply with the permutation of x for a 4-bit product), a prediction not
-    yet timed (bench/NOTES.md, Linear and quantized matmul: Open).
-    """
-
-    def projection_input(self, x):
-        """(x * scale in x's dtype, x's `RowNorm`)."""
-        x32 = x.astype(jnp.float32)
-        return ((x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype),
-                RowNorm.of(x32, self.eps))
 
 
 def _scaled_columns(arrays):

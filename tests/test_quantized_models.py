@@ -21,7 +21,7 @@ from jaxinfer.loading.gguf_source import GGUFSource, decode_blocks
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.models import inference_form
 from jaxinfer.models.inference_form import checkpoint_params
-from jaxinfer.models.layers import InputScaledRMSNorm, is_quantizable
+from jaxinfer.models.layers import RMSNorm, is_quantizable
 from jaxinfer.ops.quant import VALUE_DTYPES, QuantizedWeight, dequantize, error_bound
 
 from .conftest import VOCAB, make_hf_model
@@ -136,8 +136,7 @@ def test_tiny_quantized_conversions(family, hf_models, tmp_path):
         qkv = layer.attn.qkv_proj.linears  # q/k/v of one format: joined by the loader
         assert len(qkv) == 1 and qkv[0].quantized
         assert qkv[0].activations == ("fp8" if fmt == "fp8" else None)
-        # quantized weights keep their values: the norm scales its input instead
-        assert type(layer.input_norm) is InputScaledRMSNorm
+        assert type(layer.input_norm) is RMSNorm  # quantized weights keep their values
         assert not hasattr(llm.model.embed.embedding, "weight_scale")
         logits = llm.logits(prompts)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref, strict=True))

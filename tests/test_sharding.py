@@ -26,7 +26,7 @@ from jaxinfer.loading.checkpoint import convert, load_model, model_placer, shard
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.models import inference_form, layers
 from jaxinfer.models.inference_form import checkpoint_layout, inference_model
-from jaxinfer.models.layers import FoldedRMSNorm, InputScaledRMSNorm, RMSNorm
+from jaxinfer.models.layers import FoldedRMSNorm, RMSNorm
 from jaxinfer.models.moe import FoldedRouter, Router
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.sharding import MeshSpec
@@ -306,8 +306,7 @@ def test_inference_form_computes_the_checkpoint_projections(monkeypatch, preset,
     """`inference_model` (q/k/v and gate/up joined per shard into one GEMM each, the norm
     scales folded into them or into the MoE router) computes what the same checkpoint
     tensors compute unjoined (one Linear per projection, concatenated per shard for
-    attention) behind norms that scale their input instead (`InputScaledRMSNorm`, as in
-    front of quantized projections), on every mesh (tp=4 > 2 KV heads: the repeated k/v rows
+    attention) behind plain norms, on every mesh (tp=4 > 2 KV heads: the repeated k/v rows
     join too). The norm scales are drawn from [0.5, 2] (a checkpoint's start as ones), so a
     scale folded into the wrong axis, or not applied, fails."""
 
@@ -335,9 +334,7 @@ def test_inference_form_computes_the_checkpoint_projections(monkeypatch, preset,
     monkeypatch.setattr(inference_form, "foldable", lambda parts: False)
     unjoined = build()
     layer = unjoined.layers[0]
-    # Unfoldable projections take x times the norm's scale and scale their rows instead.
-    assert (len(layer.attn.qkv_proj.linears) == 3
-            and type(layer.input_norm) is InputScaledRMSNorm)
+    assert len(layer.attn.qkv_proj.linears) == 3 and type(layer.input_norm) is RMSNorm
     if preset != "tiny":
         assert type(layer.mlp.router) is Router
     tokens = _prompts(lengths=(21,))[0]
