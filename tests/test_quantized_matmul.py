@@ -187,6 +187,8 @@ def test_quantize_all_zero_rows_and_int4_packing():
     ("int4:g100", "group size 100"),
     ("fp8:g128", "fp8 W8A8 takes one scale per output channel"),
     ("int8:weird", "unknown option 'weird'"),
+    ("nvfp4:g32", "nvfp4 takes no options"),
+    ("mxfp4:asym", "mxfp4 takes no options"),
 ])
 def test_bad_format_strings(spec, message):
     with pytest.raises(JaxinferError, match=message):

@@ -126,6 +126,9 @@ def parse_format(spec: str) -> QuantFormat:
     if spec in fp4_groups:
         return QuantFormat("fp4", fp4_groups[spec])
     kind, *options = spec.split(":")
+    if kind in fp4_groups:  # the formats fix their own groups and scales
+        raise JaxinferError(f"--quantize {spec!r}: {kind} takes no options (its scales are "
+                            f"one per {fp4_groups[kind]} weights, symmetric)")
     if kind not in ("int8", "int4", "fp8"):
         raise JaxinferError(f"--quantize {spec!r}: unknown format {kind!r} "
                             "(expected int8, int4, fp8, mxfp4 or nvfp4, e.g. int4:g128)")
