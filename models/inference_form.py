@@ -9,7 +9,10 @@ which its classes define (`jaxinfer.models.layers`, `jaxinfer.models.moe`):
     they share a format, else (a GGUF's mixed formats) one Linear each in the group;
   * a norm in front of float projections is a `FoldedRMSNorm`, its scale multiplied into
     their weights (`Linear.fold_scale`); an MoE router without bias takes its norm's scale
-    the same way (`FoldedRouter`), the norm itself staying for the experts.
+    the same way (`FoldedRouter`), the norm itself staying for the experts;
+  * a quantized projection's values are stored in the K order its decode kernel reads
+    (`jaxinfer.ops.linear_registry.kernel_k_order`: int4 on Hopper), and taken back to K's
+    own by `checkpoint_params`.
 
 `inference_model` builds that form from parameters already placed on their devices (each
 checkpoint tensor laid out for the mesh's tp by `jaxinfer.sharding.ParamPlacer`), once:
@@ -42,6 +45,7 @@ from jaxinfer.models.layers import (
     abstract_module,
 )
 from jaxinfer.models.moe import FoldedRouter
+from jaxinfer.ops.linear_registry import kernel_k_order
 from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
 from jaxinfer.sharding import P, is_abstract, split_per_shard
 
@@ -132,6 +136,7 @@ def inference_model(config: ModelConfig, params: dict[str, jax.Array],
                          f"{sorted(params)[:3]}")
     nnx.update(model, nnx.State.from_flat_path(flat))
     _fold_norms(model, folded)
+    _store_for_kernels(model, dtype)
     if not abstract:
         gc.collect()  # joined parts sit in nnx's reference cycles until collected
     return model
@@ -141,6 +146,16 @@ def foldable(layers: list[Linear]) -> bool:
     """Whether a norm's scale may be folded into these projections: all float matrices (a
     quantized weight keeps its values as stored)."""
     return all(not lay.quantized and lay.weight.ndim == 2 for lay in layers)
+
+
+def _store_for_kernels(model: Decoder, dtype):
+    """Each quantized projection's values in the K order its decode kernel reads
+    (`jaxinfer.ops.linear_registry.kernel_k_order`), placed as before."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and node.quantized:
+            w = node.quantized_weight()
+            k = w.values.sharding.shard_shape(w.shape)[-1]
+            node.store_in_k_order(kernel_k_order(w, k, dtype))
 
 
 def _fold_norms(model: Decoder, folded: frozenset[str] | None):
@@ -178,9 +193,14 @@ def checkpoint_params(model: Decoder) -> dict[str, jax.Array]:
     rows repeated where its tp exceeds the KV heads) and its folded scales
     (`folded_modules`)."""
     groups = _groups(model)
+    # Values stored in a kernel's K order, back in K's own (a checkpoint's).
+    k_ordered = {tuple(path): node.values_in_k_order() for path, node in nnx.iter_graph(model)
+                 if isinstance(node, Linear) and node.k_order is not None}
     out = {}
     for path, var in nnx.state(model, nnx.Param).flat_state():
         array = var[...]
+        if path[-1] == "weight" and tuple(path[:-1]) in k_ordered:
+            array = k_ordered[tuple(path[:-1])]
         group = groups.get(path[:-3])  # path = (*group, "linears", i, leaf)
         if group is None:
             out[_key(path)] = array

@@ -29,7 +29,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata
 from jaxinfer.ops.attention_registry import ragged_paged_attention
 from jaxinfer.ops.linear_registry import linear
-from jaxinfer.ops.quant import QuantizedWeight
+from jaxinfer.ops.quant import QuantizedWeight, chunk_order, from_chunk_order
 from jaxinfer.ops.rope import QKPrologue, RowNorm, inverse_rms, scale_normed
 from jaxinfer.sharding import (
     ArrayRecipe,
@@ -104,6 +104,7 @@ class Linear(nnx.Module):
         self.weight_scale = nnx.data(None)
         self.weight_offset = nnx.data(None)
         self.activations = None
+        self.k_order = None  # the values' K order (`QuantizedWeight.k_order`)
 
     @property
     def axes(self) -> P:
@@ -125,6 +126,31 @@ class Linear(nnx.Module):
         self.weight_offset = (None if w.offsets is None
                               else nnx.Param(w.offsets, axes=P(*stack, k, n)))
         self.activations = w.activations
+        self.k_order = w.k_order
+
+    def store_in_k_order(self, k_order: str | None):
+        """Stores this quantized layer's values in `k_order` (`QuantizedWeight.k_order`:
+        None, K's own; "chunks", the Mosaic kernel's), placed as they were; once, at load
+        (`jaxinfer.models.inference_form`)."""
+        if k_order == self.k_order:
+            return
+        values = self.weight.get_value()
+        order = chunk_order if k_order is None else from_chunk_order
+        if is_abstract(values):
+            values = ArrayRecipe(values.shape, values.dtype, values.sharding, _in_order,
+                                 (order,), (values,))
+        else:
+            values = _store_in_order(values, order, values.sharding)
+        self.weight = nnx.Param(values, axes=self.axes)
+        self.k_order = k_order
+
+    def values_in_k_order(self) -> jax.Array:
+        """This quantized layer's values in K's own order (a checkpoint's), placed like the
+        stored ones (which stay)."""
+        values = self.weight.get_value()
+        if self.k_order is None:
+            return values
+        return _in_order_placed(values, chunk_order, values.sharding)
 
     def fold_scale(self, scale):
         """Multiplies scale [in] into the input columns of this float weight [out, in]: the
@@ -138,7 +164,7 @@ class Linear(nnx.Module):
     def quantized_weight(self) -> QuantizedWeight:
         offset = None if self.weight_offset is None else self.weight_offset.get_value()
         return QuantizedWeight(self.weight.get_value(), self.weight_scale.get_value(), offset,
-                               self.activations)
+                               self.activations, self.k_order)
 
     def weight_and_axes(self):
         """(the float weight or QuantizedWeight, a matching pytree of logical axes)."""
@@ -148,7 +174,7 @@ class Linear(nnx.Module):
         *stack, n, k = self.axes
         parts = P(*stack, k, n)
         return w, QuantizedWeight(self.axes, parts, None if w.offsets is None else parts,
-                                  w.activations)
+                                  w.activations, w.k_order)
 
     def __call__(self, x, row_scale=None, *, rounded: bool = False):
         """x [..., in] -> [..., out]; `row_scale` [..., 1] f32, `rounded`: see `linear`."""
@@ -205,7 +231,7 @@ def join_linears(parts: list[Linear]) -> Linear | None:
 
     def signature(layer: Linear):
         """All but the out-features: parts with equal signatures can be joined."""
-        sig = [layer.quantized, layer.activations, layer.bias is not None]
+        sig = [layer.quantized, layer.activations, layer.k_order, layer.bias is not None]
         for i, t in enumerate(tensors(layer)):  # values [N, K]; scales, offsets [G, N]
             spec = (t.sharding.spec if isinstance(t.sharding, jax.sharding.NamedSharding)
                     else None)
@@ -354,6 +380,23 @@ class FoldedRMSNorm(RMSNorm):
     def projection_input(self, x):
         """(x, its `RowNorm`: the projections' row scale is its 1 / rms)."""
         return x, RowNorm.of(x.astype(jnp.float32), self.eps)
+
+
+def _in_order(arrays, order):
+    """(values [N, K],) -> order(values): int4 codes permuted as int8 (XLA's int4
+    transposes are not every backend's)."""
+    (values,) = arrays
+    return order(values.astype(jnp.int8)).astype(values.dtype)
+
+
+def _placed_in_order(values, order, sharding):
+    """`_in_order` on the devices, placed like values (`sharding`)."""
+    return jax.lax.with_sharding_constraint(_in_order((values,), order), sharding)
+
+
+_in_order_placed = jax.jit(_placed_in_order, static_argnums=(1, 2))
+# (donated: the stored values take the old ones' buffer, as `_scale_columns` explains)
+_store_in_order = jax.jit(_placed_in_order, static_argnums=(1, 2), donate_argnums=0)
 
 
 def _scaled_columns(arrays):

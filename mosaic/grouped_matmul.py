@@ -101,7 +101,7 @@ from jax import lax
 from jaxinfer.mosaic import nibble_words
 from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order, swiglu_halves
 from jaxinfer.ops.platform import mosaic_interpret_params
-from jaxinfer.ops.quant import QuantizedWeight, dequantize
+from jaxinfer.ops.quant import QuantizedWeight, chunk_order, dequantize
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
 PIECE = 64  # K columns per TMA box: 128 bytes of bf16, one 128-byte swizzle row
@@ -469,7 +469,7 @@ def _kernel(table, count_ref, x_ref, w_ref, scales_ref, out_ref, w_smem, x_smem,
     boxes are [64, 16] words, [4, width, 16] tokens and [groups, 64] scales a piece.
 
     words32: 4-bit weights as uint32 words [E, N, K / 8] in [64, piece / 8] boxes, x's
-    columns in `nibble_words.chunk_order`, products by mma.sync (`Config.words32`); fp4
+    columns in `quant.chunk_order`, products by mma.sync (`Config.words32`); fp4
     scales still [groups, 64] a box.
 
     cfg.split_k: consumer c takes pieces c, c + 2, ... of every step; the second writes its
@@ -862,7 +862,7 @@ def grouped_matmul_mgpu(x: jax.Array, w: jax.Array | QuantizedWeight, group_size
         raise ValueError("mosaic grouped matmul: words32 takes int4 or fp4 experts, bf16 "
                          f"rows and pieces of a multiple of 64 (here {piece})")
     if words32:  # words of eight codes; x's columns in the chunks' order
-        values, x_in = nibble_words.words32(w.values), nibble_words.chunk_order(x_in)
+        values, x_in = nibble_words.words32(w.values), chunk_order(x_in)
         scale_rows = (w.scales.reshape(e, n // ROWS, ROWS) if scales == "channel"
                       else w.scales)
     elif fp4_groups:  # words of four codes; x's columns in the nibbles' order
@@ -983,6 +983,8 @@ def upcasts_in_registers(w: QuantizedWeight, x_dtype=None) -> bool:
 
 def unsupported_reason(x: jax.Array, w) -> str | None:
     """Why this kernel cannot take these inputs (None if it can)."""
+    if getattr(w, "k_order", None) is not None:
+        return "weights stored in the Mosaic kernel's chunk order"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"x dtype {x.dtype}: needs bfloat16 or float16"
     if not isinstance(w, QuantizedWeight) and w.dtype != x.dtype:

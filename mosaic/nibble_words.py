@@ -33,6 +33,8 @@ from jax import lax
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, vector
 
+from jaxinfer.ops.quant import chunk_order
+
 PER_WORD = 4  # 4-bit codes per 16-bit word
 PIECE = 64  # fp4's K elements per piece: 16 words a row, one k16 wgmma per nibble
 WORDS = PIECE // PER_WORD
@@ -100,9 +102,10 @@ def nibble_weights(word_array, i: int, scales, interpret: bool):
 # halves, so chunk j of a tile takes pair j of each of the four words, two codes an
 # instruction: no relayout, no 16-bit packing. Chunk j's column L = 8h + 2t + e is word
 # column t + 4h, nibble j + 4e: K element 32h + 8t + 4e + j of the tile, and x is permuted
-# to match (`chunk_order`). int4 pairs become bf16 by CUTLASS's bias trick (above, on both
-# halves); fp4 pairs by moving the sign and (e1 e0 m) bits as above, then a bf16x2 multiply
-# by the word's group scale (groups hold whole words: 8 divides 16 and 32).
+# to match (`chunk_order`), or int4 weights are stored in that order at load
+# (`QuantizedWeight.k_order`) and x is not. int4 pairs become bf16 by CUTLASS's bias trick
+# (above, on both halves); fp4 pairs by moving the sign and (e1 e0 m) bits as above, then a
+# bf16x2 multiply by the word's group scale (groups hold whole words: 8 divides 16 and 32).
 WORD32_CODES = 8  # codes per 32-bit word
 WORD32_TILE = 64  # K elements per [64, 8]-word tile: four k16 chunks
 
@@ -119,14 +122,6 @@ def words32(values: jax.Array) -> jax.Array:
     *lead, k = values.shape
     return lax.bitcast_convert_type(values.reshape(*lead, k // WORD32_CODES, WORD32_CODES),
                                     jnp.uint32)
-
-
-def chunk_order(a: jax.Array) -> jax.Array:
-    """a [R, K] with each 64-column tile's columns in the chunks' order: column 16 j + 8h
-    + 2t + e of a tile is its K element 32h + 8t + 4e + j."""
-    r, k = a.shape
-    return (a.reshape(r, k // WORD32_TILE, 2, 4, 2, 4).transpose(0, 1, 5, 2, 3, 4)
-            .reshape(r, k))
 
 
 def _codes_as_values(words, fp4: bool):

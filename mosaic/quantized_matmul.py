@@ -28,7 +28,10 @@ Algorithm (the transposed product y^T = W x^T, so the weight is wgmma's A):
   float32 partial sums, and the accumulator is a loop value. With `Config.words32`
   (int4, fp4 with bf16 x; the default under mma.sync where pieces allow) the codes load
   as 32-bit words in the operand layout and become bf16 two at a time
-  (`nibble_words.words32_mma`).
+  (`nibble_words.words32_mma`). int4 values stored in the chunks' order at load
+  (`QuantizedWeight.k_order`, on Hopper: `jaxinfer.ops.linear_registry.kernel_k_order`)
+  take x as it is; otherwise x's columns are permuted to match, a kernel of its own where
+  no neighbour fuses it.
 - Split-K over the grid fills the SMs when N / 64 alone would not. Every
   (split, consumer) writes float32 partial sums [64, tile_m]; XLA adds them up,
   transposes back to [M, N] and, for asymmetric formats, adds the offset term
@@ -64,7 +67,7 @@ from jax import lax
 
 from jaxinfer.mosaic import nibble_words
 from jaxinfer.ops.platform import mosaic_interpret_params
-from jaxinfer.ops.quant import QuantizedWeight
+from jaxinfer.ops.quant import K_CHUNKS, QuantizedWeight, chunk_order, from_chunk_order
 
 ROWS = 64  # weight rows per consumer warpgroup (the wgmma M tile)
 NUM_SMS = 132  # H100 SXM; only used to pick the number of K splits
@@ -416,6 +419,9 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
 
     # Views whose TMA offsets fall on untiled (leading) dimensions only.
     x_pad = jnp.pad(x, ((0, m_tiles * tm - m), (0, 0)))
+    chunked = w.k_order == K_CHUNKS  # values stored in the chunks' order at load
+    if chunked and not words32:  # read in stored order: x's columns permuted to match
+        x_pad = from_chunk_order(x_pad)
     if fp4_words:
         # Words of four codes; x's piece columns 4c + i gathered into nibble i's block.
         values, wp = nibble_words.words(w.values), piece // nibble_words.PER_WORD
@@ -424,10 +430,12 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
             total_pieces, nibble_words.PER_WORD, m_tiles, tm, wp).transpose(2, 0, 1, 3, 4)
         w_tile, x_tile = (ROWS, wp), (nibble_words.PER_WORD, tm, wp)
     elif words32:
-        # Words of eight codes; each 64-column tile of x in its chunks' order.
+        # Words of eight codes; each 64-column tile of x in its chunks' order, unless the
+        # values were stored in that order (then chunk column L is K element L).
         values, wp = nibble_words.words32(w.values), piece // nibble_words.WORD32_CODES
         w_view = values.reshape(n_blocks, ROWS, total_pieces, wp)
-        x_view = nibble_words.chunk_order(x_pad).reshape(m_tiles, tm, total_pieces, piece)
+        x_chunks = x_pad if chunked else chunk_order(x_pad)
+        x_view = x_chunks.reshape(m_tiles, tm, total_pieces, piece)
         w_tile, x_tile = (ROWS, wp), (tm, piece)
     else:
         values = w.values

@@ -132,6 +132,8 @@ def _block_m(m: int, dtype, block_m: int | None, weight_bits: int, on_tpu: bool)
 
 
 def _reason(x: jax.Array, w, bm: int | None, bn: int | None, bk: int | None) -> str | None:
+    if getattr(w, "k_order", None) is not None:
+        return "weights stored in the Mosaic kernel's chunk order"
     if x.ndim != 2:
         return f"x must be 2-D [M, K], got shape {tuple(x.shape)}"
     if jnp.dtype(x.dtype) not in map(jnp.dtype, ACTIVATION_DTYPES):

@@ -93,6 +93,8 @@ def _block_m(m: int, dtype, block_m: int | None, on_tpu: bool) -> int:
 
 def _reason(x: jax.Array, w: QuantizedWeight, bm: int | None, bn: int | None,
             bk: int | None) -> str | None:
+    if w.k_order is not None:
+        return "weights stored in the Mosaic kernel's chunk order"
     if x.ndim != 2:
         return f"x must be 2-D [M, K], got shape {x.shape}"
     if jnp.dtype(x.dtype) not in map(jnp.dtype, ACTIVATION_DTYPES):

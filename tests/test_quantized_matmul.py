@@ -324,3 +324,48 @@ def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, options):
     finally:
         kernel.clear_cache()
     assert "mosaic_gpu" in lowered.as_text()
+
+
+# int4 cases whose weights may be stored in the Mosaic kernel's chunk order (groups of 64 or
+# more), with the implementations that may meet such weights (the kernel on its decode
+# steps, with 32-bit words or, for f16 x, without; the XLA references on the others).
+CHUNKED = [("int4_m1", "mosaic_gpu"), ("int4_g128_m16", "mosaic_gpu"),
+           ("int4_f16_act", "mosaic_gpu"), ("int4_g64_m33", "reference"),
+           ("int4_g128_asym_m300", "reference"), ("int4_g128_m16", "fixed_rows")]
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name,implementation", CHUNKED)
+def test_values_stored_in_the_chunks_order(name, implementation, platform):
+    """Values stored in the chunks' order (`QuantizedWeight.k_order`, as the loader keeps
+    int4 weights on Hopper) give the product of the weight they were permuted from: the
+    kernel then reads x as it is, the references permute x instead."""
+    case = CASES[name]
+    b = build(case)
+    with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
+        qw = quantize(b["w"], case.fmt)
+        chunked = qw.in_chunk_order()
+        assert chunked.k_order == "chunks"
+        assert not np.array_equal(np.asarray(chunked.values), np.asarray(qw.values))
+        np.testing.assert_array_equal(np.asarray(dequantize(chunked)),
+                                      np.asarray(dequantize(qw)))
+        np.testing.assert_array_equal(np.asarray(chunked.in_k_order().values),
+                                      np.asarray(qw.values))
+        x = jnp.asarray(b["x"], case.dtype)
+        y = jax.jit(functools.partial(linear, implementation=implementation))(x, chunked)
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    want, allowance = oracle(case, b["x"], qw)
+    err = np.abs(y - want)
+    assert (err <= allowance).all(), f"{name}/{implementation}: worst {np.max(err - allowance)}"
+
+
+@pytest.mark.parametrize("fmt,message", [("int4:g32", "group size 32"),
+                                         ("mxfp4", "fp4 weights"), ("int8", "int8 weights")])
+def test_chunks_order_only_for_int4_in_whole_tiles(fmt, message):
+    qw = quantize(build(Case(fmt, 1, 64, 128))["w"], fmt)
+    with pytest.raises(ValueError, match=message):
+        qw.in_chunk_order()
+    with pytest.raises(ValueError, match="chunk order"):
+        pallas_tpu_kernel.quantized_matmul_tpu(jnp.ones((1, 128), jnp.bfloat16),
+                                               quantize(build(Case("int4", 1, 64, 128))["w"],
+                                                        "int4").in_chunk_order())

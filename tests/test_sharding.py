@@ -381,3 +381,53 @@ def test_loaded_model_is_in_inference_form_and_moves_exactly(hf_models):
             v[1][...].sharding.device_set} == set(meshes[1].devices.flat)
     np.testing.assert_array_equal(_logits(replica, meshes[1], tokens),
                                   _logits(loaded, meshes[0], tokens))
+
+
+def test_int4_projections_stored_in_the_hopper_kernels_order(monkeypatch):
+    """On Hopper the loader stores int4 projections (groups of 64 or more) in the Mosaic
+    kernel's chunk order (`kernel_k_order`) where each device's input features are whole
+    64-column tiles: at tp=1 every projection of the tiny model, at tp=2 all but o (32
+    input features a device). The model computes the logits of the same weights kept in
+    K's order (here the reference permutes x instead), `checkpoint_params` gives K's order
+    back exactly, and `shard_model` from tp=1 to tp=2 takes the order apart and stores it
+    again as a tp=2 load does."""
+    import functools
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxinfer.models.inference_form import checkpoint_params
+    from jaxinfer.ops.linear_registry import kernel_k_order
+
+    config = preset_config("tiny")
+    one, two = (MeshSpec.parse(m).meshes()[0] for m in ("tp=1", "tp=2"))
+    tokens = _prompts(lengths=(19,))[0]
+
+    def orders(model):
+        return {"/".join(map(str, path)): node.k_order for path, node in nnx.iter_graph(model)
+                if isinstance(node, layers.Linear) and node.quantized}
+
+    def build(mesh):
+        return random_model(config, jnp.bfloat16, seed=3, mesh=mesh, quantize="int4:g64")
+
+    plain = {1: build(one), 2: build(two)}
+    monkeypatch.setattr(inference_form, "kernel_k_order",
+                        functools.partial(kernel_k_order, on="hopper"))
+    hopper = {1: build(one), 2: build(two)}
+    assert set(orders(plain[1]).values()) == {None}
+    assert set(orders(hopper[1]).values()) == {"chunks"}
+    assert {path: order for path, order in orders(hopper[2]).items()
+            if order is None} == {f"layers/{i}/attn/o_proj": None for i in range(2)}
+    moved = shard_model(hopper[1], two)
+    assert orders(moved) == orders(hopper[2])
+    for tp, mesh in ((1, one), (2, two)):
+        want = _logits(plain[tp], mesh, tokens)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0.1
+        for model in (hopper[tp], *((moved,) if tp == 2 else ())):
+            got = _logits(model, mesh, tokens)
+            assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+        params, base = checkpoint_params(hopper[tp]), checkpoint_params(plain[tp])
+        assert params.keys() == base.keys()
+        for key in base:
+            np.testing.assert_array_equal(np.asarray(params[key].astype(jnp.float32)),
+                                          np.asarray(base[key].astype(jnp.float32)), key)

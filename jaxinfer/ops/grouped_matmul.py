@@ -102,7 +102,8 @@ def grouped_matmul_rows(x: jax.Array, w: ExpertWeights, group: jax.Array, *,
     idx = jnp.minimum(group, e - 1)
     if isinstance(w, QuantizedWeight):
         w_rows = dequantize(QuantizedWeight(
-            w.values[idx], w.scales[idx], None if w.offsets is None else w.offsets[idx]),
+            w.values[idx], w.scales[idx], None if w.offsets is None else w.offsets[idx],
+            k_order=w.k_order),
             x.dtype)
     else:
         w_rows = w[idx].astype(x.dtype)

@@ -36,13 +36,20 @@ is a reduction whose float32 result is scaled unrounded (XLA fuses its cast).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops.quant import FP8_DTYPE, FP8_MAX, QuantizedWeight, dequantize
+from jaxinfer.ops.quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    QuantizedWeight,
+    dequantize,
+    from_chunk_order,
+)
 
 Weight = jax.Array | QuantizedWeight
 
@@ -130,6 +137,8 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     # float32 product of a many-row step would be written and read back at twice the bytes
     # (at 256 decode rows, gate_up's float32 product is a quarter of its fp8 weight's
     # bytes), while the scaling fuses into whatever consumes y.
+    if w.k_order is not None:  # values stored in the chunks' order: x's columns to match
+        x, w = from_chunk_order(x), dataclasses.replace(w, k_order=None)
     if w.activations == "fp8":
         # x is made on its own before it is quantized: otherwise XLA fuses its producer
         # (the SwiGLU of the gate_up product, with that product's scales and the folded

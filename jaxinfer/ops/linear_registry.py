@@ -25,6 +25,7 @@ raise ValueError for inputs they cannot take.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.ops.linear import (
     LinearCall,
@@ -35,8 +36,8 @@ from jaxinfer.ops.linear import (
     one_row_product,
     quantized_product,
 )
-from jaxinfer.ops.platform import needs
-from jaxinfer.ops.quant import QuantizedWeight
+from jaxinfer.ops.platform import needs, platform
+from jaxinfer.ops.quant import CHUNK_TILE, K_CHUNKS, QuantizedWeight, chunk_order_unsupported
 from jaxinfer.ops.registry import Implementation, KernelModule, Registry, by_row_blocks
 
 mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.quantized_matmul", "hopper")
@@ -126,6 +127,22 @@ REGISTRY = Registry("linear", [
     Implementation("reference", linear_reference, lambda call: None),
     Implementation("fixed_rows", fixed_rows, lambda call: None, batch_invariant=True),
 ])
+
+
+def kernel_k_order(weight: QuantizedWeight, shard_k: int, x_dtype,
+                   on: str | None = None) -> str | None:
+    """The K order (`QuantizedWeight.k_order`) to store `weight` in, once, at load, for the
+    kernel this registry picks for its decode steps: "chunks" on Hopper for int4 weights
+    that the Mosaic kernel reads as 32-bit words (bf16 x, scale groups of 64 or more, each
+    device's `shard_k` input features whole 64-column tiles), so that decode steps do not
+    permute x for each product (a kernel of its own in front of o: bench/NOTES.md, Linear
+    and quantized matmul); None (K's own order) elsewhere. Other implementations take
+    either order (the reference permutes x's columns instead: a prefill's x is small
+    beside its weights). `on`: the platform to decide for (default: this process's)."""
+    if ((on or platform()) != "hopper" or len(weight.shape) != 2 or x_dtype != jnp.bfloat16
+            or chunk_order_unsupported(weight) is not None or shard_k % CHUNK_TILE):
+        return None
+    return K_CHUNKS
 
 
 def linear(x: jax.Array, weight: Weight, bias: jax.Array | None = None,

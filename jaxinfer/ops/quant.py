@@ -28,6 +28,13 @@ Formats are named by strings, as on the command line: "int8", "int4" (per
 channel), "int4:g128", "int8:g64", "int4:g128:asym", "fp8" (W8A8), "fp8:weight-only",
 "mxfp4", "nvfp4".
 
+`k_order="chunks"` (int4 only; set once at load where the Mosaic kernel reads the codes as
+32-bit words, `jaxinfer.ops.linear_registry.kernel_k_order`): within each 64-column tile of
+K, values (not scales or offsets, whose groups of 64 or more the order keeps) are stored so
+that the kernel's mma.sync chunks meet x's columns in their natural order (`chunk_order`),
+where x would otherwise be permuted for every product. `dequantize` returns W in K's order
+either way; any other product takes x through `from_chunk_order` instead.
+
 The two fp4 formats differ in their scales, kept here as their float32 values: MXFP4's
 are powers of two (e8m0) per 32 values; NVFP4's are an e4m3 number per 16 values times
 one float32 scale per tensor (per expert in a stack), so a scale is e4m3(b) * t. Hopper
@@ -66,6 +73,7 @@ class QuantizedWeight:
     scales: jax.Array
     offsets: jax.Array | None = None
     activations: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    k_order: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -94,7 +102,68 @@ class QuantizedWeight:
         """Expert e's [N, K] weight of an [E, N, K] stack."""
         return QuantizedWeight(self.values[e], self.scales[e],
                                None if self.offsets is None else self.offsets[e],
-                               self.activations)
+                               self.activations, self.k_order)
+
+    def in_chunk_order(self) -> QuantizedWeight:
+        """This weight with its values stored in the chunks' order (`k_order="chunks"`)."""
+        if self.k_order is not None:
+            return self
+        if reason := chunk_order_unsupported(self):
+            raise ValueError(f"in_chunk_order: {reason}")
+        return dataclasses.replace(self, values=_int4_in_order(self.values, from_chunk_order),
+                                   k_order=K_CHUNKS)
+
+    def in_k_order(self) -> QuantizedWeight:
+        """This weight with its values in K's own order."""
+        if self.k_order is None:
+            return self
+        return dataclasses.replace(self, values=_int4_in_order(self.values, chunk_order),
+                                   k_order=None)
+
+
+# --- the chunks' order of K (`QuantizedWeight.k_order`) ------------------------------------
+#
+# The Mosaic kernel reads a [64, 8] tile of 32-bit words (eight 4-bit codes each) in mma.sync's
+# operand layout: its chunk j's column L = 16 j + 8 h + 2 t + e is the code at tile position
+# 32 h + 8 t + 4 e + j (`jaxinfer.mosaic.nibble_words`). `chunk_order` lists each 64-column
+# tile of an array in that order; weights stored `from_chunk_order` have chunk column L
+# hold K element L, so x needs no permutation.
+K_CHUNKS = "chunks"
+CHUNK_TILE = 64  # K elements of a [64, 8]-word tile
+
+
+def chunk_order(a: jax.Array) -> jax.Array:
+    """a [..., K] with each 64-column tile's columns in the chunks' order: column
+    16 j + 8 h + 2 t + e of a tile is its element 32 h + 8 t + 4 e + j."""
+    *lead, k = a.shape
+    n = len(lead)
+    tiles = a.reshape(*lead, k // CHUNK_TILE, 2, 4, 2, 4)  # (h, t, e, j)
+    return tiles.transpose(*range(n + 1), n + 4, n + 1, n + 2, n + 3).reshape(*lead, k)
+
+
+def from_chunk_order(a: jax.Array) -> jax.Array:
+    """The inverse of `chunk_order`: from_chunk_order(chunk_order(a)) == a."""
+    *lead, k = a.shape
+    n = len(lead)
+    tiles = a.reshape(*lead, k // CHUNK_TILE, 4, 2, 4, 2)  # (j, h, t, e)
+    return tiles.transpose(*range(n + 1), n + 2, n + 3, n + 4, n + 1).reshape(*lead, k)
+
+
+def _int4_in_order(values: jax.Array, order) -> jax.Array:
+    """order(values) for int4 codes, moved as int8 (not every backend transposes int4)."""
+    return order(values.astype(jnp.int8)).astype(values.dtype)
+
+
+def chunk_order_unsupported(w: QuantizedWeight) -> str | None:
+    """Why w's values cannot be stored in the chunks' order (None if they can): int4 codes
+    with K a multiple of 64 and scale groups of 64 or more (a tile's permutation stays
+    inside each group)."""
+    if w.kind != "int4":
+        return f"{w.kind} weights (the chunks' order is int4's)"
+    k = w.shape[-1]
+    if k % CHUNK_TILE or w.group_size % CHUNK_TILE:
+        return (f"K={k} and group size {w.group_size} must be multiples of {CHUNK_TILE}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +332,9 @@ def _e4m3_step(b: jax.Array, up: bool) -> jax.Array:
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """W [..., N, K] in dtype (computed in float32)."""
+    """W [..., N, K] in dtype (computed in float32), in K's order whatever w's `k_order`."""
+    if w.k_order is not None:
+        return chunk_order(dequantize(dataclasses.replace(w, k_order=None), dtype))
     *lead, n, k = w.shape
     g = w.group_size
     groups = w.values.astype(jnp.float32).reshape(*lead, n, k // g, g)
