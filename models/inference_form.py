@@ -154,7 +154,8 @@ def _store_for_kernels(model: Decoder, dtype):
     for _, node in nnx.iter_graph(model):
         if isinstance(node, Linear) and node.quantized:
             w = node.quantized_weight()
-            k = w.values.sharding.shard_shape(w.shape)[-1]
+            sharding = w.values.sharding
+            k = w.shape[-1] if sharding is None else sharding.shard_shape(w.shape)[-1]
             node.store_in_k_order(kernel_k_order(w, k, dtype))
 
 

@@ -29,7 +29,12 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata
 from jaxinfer.ops.attention_registry import ragged_paged_attention
 from jaxinfer.ops.linear_registry import linear
-from jaxinfer.ops.quant import QuantizedWeight, chunk_order, from_chunk_order
+from jaxinfer.ops.quant import (
+    QuantizedWeight,
+    chunk_order,
+    codes_in_order,
+    from_chunk_order,
+)
 from jaxinfer.ops.rope import QKPrologue, RowNorm, inverse_rms, scale_normed
 from jaxinfer.sharding import (
     ArrayRecipe,
@@ -383,10 +388,9 @@ class FoldedRMSNorm(RMSNorm):
 
 
 def _in_order(arrays, order):
-    """(values [N, K],) -> order(values): int4 codes permuted as int8 (XLA's int4
-    transposes are not every backend's)."""
+    """(values [N, K],) -> `codes_in_order`(values, order) (an `ArrayRecipe`'s op)."""
     (values,) = arrays
-    return order(values.astype(jnp.int8)).astype(values.dtype)
+    return codes_in_order(values, order)
 
 
 def _placed_in_order(values, order, sharding):

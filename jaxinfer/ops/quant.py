@@ -110,14 +110,14 @@ class QuantizedWeight:
             return self
         if reason := chunk_order_unsupported(self):
             raise ValueError(f"in_chunk_order: {reason}")
-        return dataclasses.replace(self, values=_int4_in_order(self.values, from_chunk_order),
+        return dataclasses.replace(self, values=codes_in_order(self.values, from_chunk_order),
                                    k_order=K_CHUNKS)
 
     def in_k_order(self) -> QuantizedWeight:
         """This weight with its values in K's own order."""
         if self.k_order is None:
             return self
-        return dataclasses.replace(self, values=_int4_in_order(self.values, chunk_order),
+        return dataclasses.replace(self, values=codes_in_order(self.values, chunk_order),
                                    k_order=None)
 
 
@@ -149,8 +149,9 @@ def from_chunk_order(a: jax.Array) -> jax.Array:
     return tiles.transpose(*range(n + 1), n + 2, n + 3, n + 4, n + 1).reshape(*lead, k)
 
 
-def _int4_in_order(values: jax.Array, order) -> jax.Array:
-    """order(values) for int4 codes, moved as int8 (not every backend transposes int4)."""
+def codes_in_order(values: jax.Array, order) -> jax.Array:
+    """order(values) (`chunk_order`, `from_chunk_order`) for int4 codes, moved as int8 (not
+    every backend transposes int4)."""
     return order(values.astype(jnp.int8)).astype(values.dtype)
 
 
