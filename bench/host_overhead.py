@@ -13,12 +13,19 @@ bandwidth, per token.
 --phases also times the host's share of each engine step by phase (wall clock, the engine's
 methods wrapped): what the host must finish while the device runs one step, for the
 overlapped steps to keep the device busy.
+
+--kernel-config FIELD=VALUE[,...][,n=N] replaces fields of the Mosaic quantized matmul's
+default `Config` in the model (for weights of N output features only, with n=N), where the
+result still tiles the product: a configuration timed where the model runs it, its
+neighbours fused as in a real step (the standalone sweep times XLA's kernels around the
+product as kernels of their own), e.g. `--kernel-config k_splits=2,n=6144`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -67,6 +74,31 @@ def timed_phases():
             setattr(cls, name, raw)
 
 
+def force_kernel_config(spec: str):
+    """Patches the Mosaic quantized matmul's `default_config` (see --kernel-config)."""
+    from jaxinfer.mosaic import quantized_matmul as qmm
+
+    fields = dict(item.split("=", 1) for item in spec.split(","))
+    only_n = int(fields.pop("n")) if "n" in fields else None
+    defaults = qmm.Config()
+    override = {name: (value.lower() in ("1", "true")) if isinstance(getattr(defaults, name), bool)
+                else int(value) for name, value in fields.items()}
+    default_config = qmm.default_config
+
+    def patched(x, w):
+        cfg = default_config(x, w)
+        if only_n is not None and w.shape[0] != only_n:
+            return cfg
+        new = dataclasses.replace(cfg, **override)
+        pieces = w.shape[1] // qmm.piece_size(w)
+        if pieces % (new.pieces_per_step * new.k_splits) or new.pieces_per_step % new.compute_wgs:
+            print(f"--kernel-config: {new} does not tile {w.shape}; the default stays")
+            return cfg
+        return new
+
+    qmm.default_config = patched
+
+
 def main():
     ap = workload_parser(12, "engine steps per measurement", __doc__.split("\n")[0])
     ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
@@ -74,7 +106,11 @@ def main():
                     help="also time the host's phases of an engine step (wall clock)")
     ap.add_argument("--sequence", type=int, default=0,
                     help="also save the first N kernels recorded, in order, to --json")
+    ap.add_argument("--kernel-config", default=None, metavar="FIELD=VALUE,...",
+                    help="fields of the Mosaic quantized matmul's config to force (see above)")
     args = ap.parse_args()
+    if args.kernel_config:
+        force_kernel_config(args.kernel_config)
     llm, mesh = decoding_llm(args.preset, args.batch, args.ctx, args.decode_steps, args.steps,
                              args.mesh, page_size=args.page_size, quantize=args.quantize)
     devices = mesh.size  # CUPTI records every device's kernels: times are summed over them
