@@ -101,7 +101,7 @@ from jax import lax
 from jaxinfer.mosaic import nibble_words
 from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order, swiglu_halves
 from jaxinfer.ops.platform import mosaic_interpret_params
-from jaxinfer.ops.quant import QuantizedWeight, chunk_order, dequantize
+from jaxinfer.ops.quant import QuantizedWeight, chunk_order, dequantize, stored_order_reason
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
 PIECE = 64  # K columns per TMA box: 128 bytes of bf16, one 128-byte swizzle row
@@ -983,8 +983,8 @@ def upcasts_in_registers(w: QuantizedWeight, x_dtype=None) -> bool:
 
 def unsupported_reason(x: jax.Array, w) -> str | None:
     """Why this kernel cannot take these inputs (None if it can)."""
-    if getattr(w, "k_order", None) is not None:
-        return "weights stored in the Mosaic kernel's chunk order"
+    if (reason := stored_order_reason(w)) is not None:
+        return reason
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return f"x dtype {x.dtype}: needs bfloat16 or float16"
     if not isinstance(w, QuantizedWeight) and w.dtype != x.dtype:

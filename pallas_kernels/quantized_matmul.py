@@ -62,7 +62,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxinfer.ops.linear import quantize_activations_fp8
 from jaxinfer.ops.platform import tpu_interpret_params
-from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
+from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight, stored_order_reason
 from jaxinfer.pallas_kernels.tpu_blocks import (
     INTERPRET_BLOCKS,
     TPU_BLOCKS,
@@ -93,8 +93,8 @@ def _block_m(m: int, dtype, block_m: int | None, on_tpu: bool) -> int:
 
 def _reason(x: jax.Array, w: QuantizedWeight, bm: int | None, bn: int | None,
             bk: int | None) -> str | None:
-    if w.k_order is not None:
-        return "weights stored in the Mosaic kernel's chunk order"
+    if (reason := stored_order_reason(w)) is not None:
+        return reason
     if x.ndim != 2:
         return f"x must be 2-D [M, K], got shape {x.shape}"
     if jnp.dtype(x.dtype) not in map(jnp.dtype, ACTIVATION_DTYPES):

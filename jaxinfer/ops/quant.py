@@ -155,6 +155,14 @@ def codes_in_order(values: jax.Array, order) -> jax.Array:
     return order(values.astype(jnp.int8)).astype(values.dtype)
 
 
+def stored_order_reason(w) -> str | None:
+    """For a kernel that reads values in K's own order: why it cannot take w (values stored
+    in another order, `QuantizedWeight.k_order`), or None."""
+    if getattr(w, "k_order", None) is None:
+        return None
+    return "weights stored in the Mosaic kernel's chunk order"
+
+
 def chunk_order_unsupported(w: QuantizedWeight) -> str | None:
     """Why w's values cannot be stored in the chunks' order (None if they can): int4 codes
     with K a multiple of 64 and scale groups of 64 or more (a tile's permutation stays
