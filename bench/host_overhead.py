@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import time
 
 from jaxinfer.benchmarks.end_to_end import decoding_llm, workload_parser
@@ -78,6 +79,9 @@ def force_kernel_config(spec: str):
     """Patches the Mosaic quantized matmul's `default_config` (see --kernel-config)."""
     from jaxinfer.mosaic import quantized_matmul as qmm
 
+    # The executable cache's key holds JAXINFER_* variables, not patched functions: without
+    # this, a run would load the step program compiled with the default config.
+    os.environ["JAXINFER_BENCH_KERNEL_CONFIG"] = spec
     fields = dict(item.split("=", 1) for item in spec.split(","))
     only_n = int(fields.pop("n")) if "n" in fields else None
     defaults = qmm.Config()

@@ -31,6 +31,7 @@ gpu = pytest.mark.gpu
 BACKENDS = [
     *((name, "cpu") for name in REGISTRY.names),
     pytest.param("reference", "gpu", marks=gpu), pytest.param("mosaic_gpu", "gpu", marks=gpu),
+    pytest.param("w8a8_gpu", "gpu", marks=gpu),
 ]
 KERNELS = {"mosaic_gpu": mosaic_gpu_kernel, "pallas_tpu": pallas_tpu_kernel}
 
@@ -42,11 +43,14 @@ def refusal(implementation: str, x, qw) -> str | None:
         return "takes float weights"
     if implementation in ("reference", "fixed_rows"):
         return None
+    if implementation == "w8a8_gpu":
+        return None if qw.activations == "fp8" else "takes W8A8 weights"
     return KERNELS[implementation].unsupported_reason(x, qw)
 
 
 def test_every_implementation_is_tested():
-    assert set(REGISTRY.names) == {"one_row_reduce", "reference", "fixed_rows", *KERNELS}
+    assert set(REGISTRY.names) == {"one_row_reduce", "reference", "fixed_rows", "w8a8_gpu",
+                                   *KERNELS}
 
 
 def run(case: Case, implementation: str, platform: str):
@@ -206,6 +210,39 @@ def test_leading_dims_and_feature_check():
     assert linear(x, qw, implementation="reference").shape == (2, 3, 128)
     with pytest.raises(ValueError, match="x has 255 features, the weight 256"):
         linear(jnp.ones((1, 255), jnp.bfloat16), qw)
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("dtype,m,k", [("bfloat16", 6, 1000), ("float32", 3, 4096)])
+def test_fp8_row_quantization(dtype, m, k, platform):
+    """W8A8's per-token quantization, the reference and the GPU kernel (interpret mode on
+    the CPU), against a float64 oracle: per row the smallest power of two s with
+    max |x| / s <= 448, values x / s rounded to e4m3 (nearest even). Rows span 2^-20..2^20,
+    with a zero row and rows whose maximum sits exactly on 448 s or just above it."""
+    from jaxinfer.ops.linear import quantize_activations_fp8
+    from jaxinfer.pallas_kernels.fp8_rows_gpu import quantize_rows_fp8_gpu
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((m, k)) * 2.0 ** rng.uniform(-20, 20, (m, 1))
+    x[1] = 0.0
+    x[2] = np.clip(x[2], -1.0, 1.0)
+    x[2, rng.integers(k)] = 448.0 * 2.0 ** -5  # exactly on a power's bound: s = 2^-5
+    x[0, rng.integers(k)] = np.abs(x[0]).max() * 1.01
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)  # as stored
+    absmax = np.abs(x).max(axis=1, keepdims=True)
+    want_scales = np.where(absmax > 0, 2.0 ** np.ceil(np.log2(np.maximum(absmax, 1e-300)
+                                                               / 448.0)), 1.0)
+    want = (x / want_scales).astype(ml_dtypes.float8_e4m3fn)
+    assert want_scales[2, 0] == 2.0 ** -5
+    with jax.default_device(jax.devices(platform)[0]):
+        xj = jnp.asarray(x, dtype)
+        for quantize in (quantize_activations_fp8, quantize_rows_fp8_gpu):
+            values, scales = jax.jit(quantize)(xj)
+            assert values.dtype == jnp.float8_e4m3fn and values.shape == (m, k)
+            np.testing.assert_array_equal(np.asarray(scales, np.float64), want_scales)
+            got = np.asarray(values).view(np.uint8)
+            bad = np.argwhere(got != want.view(np.uint8))
+            assert bad.size == 0, f"{quantize.__name__}: {len(bad)} values differ, first {bad[:3]}"
 
 
 def test_weight_is_a_pytree_with_static_activation_mode():

@@ -114,11 +114,30 @@ def one_row_product(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.sum(x.astype(jnp.float32)[..., None, :] * w, axis=-1)
 
 
+def fp8_row_scales(absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """absmax [...] float32 >= 0 (a row's largest |x|) -> (scale, 1 / scale), float32: the
+    smallest power of two s with absmax / s <= FP8_MAX (1 for a zero row), from absmax's
+    bits alone. A power of two (an e8m0 scale, as MXFP8 and DeepSeek's UE8M0 use) makes
+    x * (1 / s) exact, so every implementation of the quantization gives the same bits
+    (a GPU kernel's f32 division need not round as XLA's does); it costs at most one
+    binade of e4m3's range at the bottom, none of its precision."""
+    bits = jax.lax.bitcast_convert_type(absmax.astype(jnp.float32), jnp.int32)
+    exponent = jax.lax.shift_right_logical(bits, 23) - 127  # absmax = (1 + f) 2^exponent
+    # FP8_MAX = 448 = 1.75 * 2^8: (1 + f) 2^exponent <= 1.75 * 2^(8 + e) needs e = exponent
+    # - 8 while f <= 0.75 (mantissa bits 0x600000), one more above.
+    e = exponent - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+    e = jnp.clip(jnp.where(absmax > 0, e, 0), -126, 126)  # both powers stay normal floats
+    as_float = lambda k: jax.lax.bitcast_convert_type(  # noqa: E731
+        jax.lax.shift_left(k + 127, 23), jnp.float32)
+    return as_float(e), as_float(-e)
+
+
 def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (e4m3 [M, K], float32 per-token scales [M, 1]), x ~ values * scales."""
+    """x [M, K] -> (e4m3 [M, K], float32 per-token scales [M, 1]), x ~ values * scales:
+    each row's scale the power of two of `fp8_row_scales`, values rounded to nearest even."""
     absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    scales = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
-    values = jnp.clip(x.astype(jnp.float32) / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    scales, inverses = fp8_row_scales(absmax)
+    values = jnp.clip(x.astype(jnp.float32) * inverses, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return values, scales
 
 
@@ -145,14 +164,21 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         # norm) into both the per-token max and the quantization, and runs them as two
         # recomputing passes at a third of the copy rate (bench/NOTES.md, Linear and
         # quantized matmul: fp8 activations made before their quantization).
-        x = jax.lax.optimization_barrier(x)
-        xq, x_scales = quantize_activations_fp8(x)
-        y = dot_nt(xq, w.values, x.dtype).astype(jnp.float32) * x_scales * w.scales[0]
+        y = w8a8_product(jax.lax.optimization_barrier(x), w, quantize_activations_fp8)
     elif w.group_size == w.shape[1] and w.offsets is None:
         y = dot_nt(x, w.values.astype(x.dtype), x.dtype).astype(jnp.float32) * w.scales[0]
     else:
         y = dot_nt(x, dequantize(w, x.dtype))
     return y.astype(x.dtype)
+
+
+def w8a8_product(x: jax.Array, w: QuantizedWeight, quantize) -> jax.Array:
+    """x [M, K] @ W^T for W8A8 weights (e4m3 values, per-channel scales), float32 [M, N]:
+    x quantized per token by `quantize` (x -> (e4m3 values, scales [M, 1]): the reference's
+    `quantize_activations_fp8` or a kernel of the same numbers), an fp8 dot into x.dtype,
+    then both scales."""
+    xq, x_scales = quantize(x)
+    return dot_nt(xq, w.values, x.dtype).astype(jnp.float32) * x_scales * w.scales[0]
 
 
 def quantized_product(matmul, x: jax.Array, w: QuantizedWeight) -> jax.Array:

@@ -8,6 +8,9 @@ epilogue (`linear_epilogue`).
   mosaic_gpu      the Mosaic GPU quantized matmul: Hopper, int8 / int4 / fp4 (MXFP4,
                   NVFP4) weight-only `QuantizedWeight`s, up to MAX_KERNEL_M rows (decode)
   pallas_tpu      the Pallas TPU quantized matmul: TPU, `QuantizedWeight`s
+  w8a8_gpu        W8A8 (fp8 activations) on Hopper, any number of rows: x quantized per
+                  token by a Pallas GPU kernel in one pass over x
+                  (`pallas_kernels/fp8_rows_gpu.py`), then the reference's fp8 dot
   one_row_reduce  XLA, float weights: one row (batch-1 decode) with K >= ONE_ROW_REDUCE_MIN_K
                   as a multiply and a row reduction, on every platform
   reference       XLA: one dot for float weights, dequantise + dot for quantized ones
@@ -35,6 +38,7 @@ from jaxinfer.ops.linear import (
     linear_reference,
     one_row_product,
     quantized_product,
+    w8a8_product,
 )
 from jaxinfer.ops.platform import needs, platform
 from jaxinfer.ops.quant import CHUNK_TILE, K_CHUNKS, QuantizedWeight, chunk_order_unsupported
@@ -42,6 +46,7 @@ from jaxinfer.ops.registry import Implementation, KernelModule, Registry, by_row
 
 mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.quantized_matmul", "hopper")
 pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.quantized_matmul", "tpu")
+fp8_rows_gpu_kernel = KernelModule("jaxinfer.pallas_kernels.fp8_rows_gpu", "hopper")
 
 # Up to this many rows (tokens) the Mosaic kernel runs; above it the reference, whose dot
 # XLA fuses with the per-channel dequantisation (group-wise weights it dequantises into a
@@ -79,6 +84,14 @@ def _pallas_tpu_supports(call: LinearCall) -> str | None:
             or pallas_tpu_kernel.unsupported_reason(call.x, call.weight))
 
 
+def _w8a8_gpu_supports(call: LinearCall) -> str | None:
+    if (reason := needs("hopper") or _quantized_reason(call)) is not None:
+        return reason
+    if call.weight.activations != "fp8":
+        return "weight-only formats: the other kernels or the reference"
+    return fp8_rows_gpu_kernel.supports(call.x)
+
+
 def _one_row_reduce_supports(call: LinearCall) -> str | None:
     if call.quantized:
         return "quantized weights: their kernels or the reference"
@@ -102,6 +115,16 @@ def _kernel(name: str, kernel: KernelModule, matmul: str):
     return run
 
 
+def _w8a8_gpu(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
+    del rounded  # a quantized product is in x.dtype already
+    if not isinstance(weight, QuantizedWeight) or weight.activations != "fp8":
+        raise ValueError("linear w8a8_gpu: takes W8A8 weights (--quantize fp8)")
+
+    def matmul(x2, w):
+        return w8a8_product(x2, w, fp8_rows_gpu_kernel.quantize_rows_fp8_gpu).astype(x.dtype)
+    return linear_epilogue(quantized_product(matmul, x, weight), x.dtype, bias, row_scale)
+
+
 def fixed_rows(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
     """`linear_reference` on `invariant_rows()` rows at a time (`by_row_blocks`)."""
     if row_scale is None:
@@ -123,6 +146,7 @@ REGISTRY = Registry("linear", [
     Implementation("pallas_tpu",
                    _kernel("pallas_tpu", pallas_tpu_kernel, "quantized_matmul_tpu"),
                    _pallas_tpu_supports),
+    Implementation("w8a8_gpu", _w8a8_gpu, _w8a8_gpu_supports),
     Implementation("one_row_reduce", _one_row_reduce, _one_row_reduce_supports),
     Implementation("reference", linear_reference, lambda call: None),
     Implementation("fixed_rows", fixed_rows, lambda call: None, batch_invariant=True),
