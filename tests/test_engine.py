@@ -25,7 +25,13 @@ import jaxinfer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.compiled_steps import StepShape
-from jaxinfer.engine.engine import Engine, EngineInterface, EngineStats, ReplicatedEngine
+from jaxinfer.engine.engine import (
+    RUNNING_GC_THRESHOLDS,
+    Engine,
+    EngineInterface,
+    EngineStats,
+    ReplicatedEngine,
+)
 from jaxinfer.engine.kv_pages import PagePool, page_hash, page_hashes
 from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner, StepOutput
 from jaxinfer.engine.scheduler import PENDING_TOKEN, SeqChunk
@@ -709,8 +715,9 @@ def test_gpu_steps_over_finite_garbage_pages_match_zeroed_pages():
 
 def test_generate_runs_with_the_heap_frozen_and_leaves_it_collectable():
     """`LLM.generate` steps with the objects alive before it out of the garbage collector's
-    sight (no full collection walks the model and programs mid-run); afterwards nothing is
-    frozen, so an engine dropped later is collected."""
+    sight (no full collection walks the model and programs mid-run) and the collector at its
+    running thresholds; afterwards nothing is frozen and the thresholds are as they were, so
+    an engine dropped later is collected."""
     import gc
     import weakref
 
@@ -718,14 +725,16 @@ def test_generate_runs_with_the_heap_frozen_and_leaves_it_collectable():
     frozen, steps = [], [llm.engine.step]
 
     def step_seeing_the_heap():  # (frozen objects, objects the collector tracks)
-        frozen.append((gc.get_freeze_count(), len(gc.get_objects())))
+        frozen.append((gc.get_freeze_count(), len(gc.get_objects()), gc.get_threshold()))
         return steps[0]()
 
     llm.engine.step = step_seeing_the_heap
+    before = gc.get_threshold()
     out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3))
     assert len(out[0].token_ids) == 3
-    assert frozen and all(f > tracked for f, tracked in frozen)
-    assert gc.get_freeze_count() == 0
+    assert frozen and all(f > tracked for f, tracked, _ in frozen)
+    assert all(t == RUNNING_GC_THRESHOLDS != before for _, _, t in frozen)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
     engine = weakref.ref(llm.engine)
     steps.clear()
     del llm, step_seeing_the_heap, out
