@@ -5,14 +5,16 @@ lowering, one program per row.
 
   x       [M, K] bf16, f16 or f32; any K (a program holds its row whole in registers,
           padded to a power of two and masked)
-  values  [M, K] float8_e4m3fn: x * (1 / scale), rounded to nearest even, |values| <= 448
-  scales  [M, 1] float32: each row's power of two (`jaxinfer.ops.linear.fp8_row_scales`)
+  values  [M, K] float8_e4m3fn: x / scale, rounded to nearest even, |values| <= 448
+  scales  [M, 1] float32: each row's max |x| / 448
 
-The numbers of `jaxinfer.ops.linear.quantize_activations_fp8` (the reference), bit for bit:
-its scales are powers of two, so the product by the inverse is exact wherever it runs.
-XLA runs the reference as two kernels, the rows' maxima and then the conversion, which
-read x twice; this reads it once, and in a many-row step it is one launch where XLA made
-two for each W8A8 product (bench/NOTES.md, Linear and quantized matmul).
+The arithmetic of `jaxinfer.ops.linear.quantize_activations_fp8` (the reference), through
+the same function (`quantize_rows_fp8`). Triton divides float32s to within 2 ulp, not
+rounded as XLA's division is, so a scale may differ from the reference's in its last bits,
+and a value by one e4m3 step where x / scale sits that close to a rounding tie. XLA runs
+the reference as two kernels, the rows' maxima and then the conversion, which read x
+twice; this reads it once, and in a many-row step it is one launch where XLA made two for
+each W8A8 product (bench/NOTES.md, Linear and quantized matmul).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxinfer.ops.linear import fp8_row_scales
-from jaxinfer.ops.quant import FP8_DTYPE, FP8_MAX
+from jaxinfer.ops.linear import quantize_rows_fp8
+from jaxinfer.ops.quant import FP8_DTYPE
 
 
 def _kernel(x_ref, values_ref, scales_ref, *, k: int):
@@ -33,8 +35,7 @@ def _kernel(x_ref, values_ref, scales_ref, *, k: int):
     cols = lax.iota(jnp.int32, pl.next_power_of_2(k))
     inside = cols < k
     x = pl_triton.load(x_ref.at[r, cols], mask=inside, other=0).astype(jnp.float32)
-    scale, inverse = fp8_row_scales(jnp.max(jnp.abs(x)))
-    values = jnp.clip(x * inverse, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    values, scale = quantize_rows_fp8(x, jnp.max(jnp.abs(x)))
     pl_triton.store(values_ref.at[r, cols], values, mask=inside)
     scales_ref[r, 0] = scale
 

@@ -114,31 +114,19 @@ def one_row_product(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.sum(x.astype(jnp.float32)[..., None, :] * w, axis=-1)
 
 
-def fp8_row_scales(absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """absmax [...] float32 >= 0 (a row's largest |x|) -> (scale, 1 / scale), float32: the
-    smallest power of two s with absmax / s <= FP8_MAX (1 for a zero row), from absmax's
-    bits alone. A power of two (an e8m0 scale, as MXFP8 and DeepSeek's UE8M0 use) makes
-    x * (1 / s) exact, so every implementation of the quantization gives the same bits
-    (a GPU kernel's f32 division need not round as XLA's does); it costs at most one
-    binade of e4m3's range at the bottom, none of its precision."""
-    bits = jax.lax.bitcast_convert_type(absmax.astype(jnp.float32), jnp.int32)
-    exponent = jax.lax.shift_right_logical(bits, 23) - 127  # absmax = (1 + f) 2^exponent
-    # FP8_MAX = 448 = 1.75 * 2^8: (1 + f) 2^exponent <= 1.75 * 2^(8 + e) needs e = exponent
-    # - 8 while f <= 0.75 (mantissa bits 0x600000), one more above.
-    e = exponent - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
-    e = jnp.clip(jnp.where(absmax > 0, e, 0), -126, 126)  # both powers stay normal floats
-    as_float = lambda k: jax.lax.bitcast_convert_type(  # noqa: E731
-        jax.lax.shift_left(k + 127, 23), jnp.float32)
-    return as_float(e), as_float(-e)
+def quantize_rows_fp8(x: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., K] float32 and its rows' largest |x| [..., 1] -> (e4m3 values [..., K], float32
+    scales [..., 1]): scale = absmax / FP8_MAX (1 for a zero row), values x / scale rounded
+    to nearest even. The arithmetic of every implementation of W8A8's activation
+    quantization (`quantize_activations_fp8`, the GPU kernel's rows)."""
+    scales = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
+    return jnp.clip(x / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scales
 
 
 def quantize_activations_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (e4m3 [M, K], float32 per-token scales [M, 1]), x ~ values * scales:
-    each row's scale the power of two of `fp8_row_scales`, values rounded to nearest even."""
-    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    scales, inverses = fp8_row_scales(absmax)
-    values = jnp.clip(x.astype(jnp.float32) * inverses, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    return values, scales
+    """x [M, K] -> (e4m3 [M, K], float32 per-token scales [M, 1]), x ~ values * scales."""
+    x = x.astype(jnp.float32)
+    return quantize_rows_fp8(x, jnp.max(jnp.abs(x), axis=-1, keepdims=True))
 
 
 def dot_nt(x, w, dtype=jnp.float32):
