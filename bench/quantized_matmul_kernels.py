@@ -77,8 +77,8 @@ SHAPES = {  # (name, N, K)
     "smoke": [("cpu smoke", 256, 256)],
 }
 MS = (1, 16, 64, 128, 1024, 4096)
-FORMATS = ("int8", "int4", "int8:g128", "int4:g128", "fp8", "fp8:weight-only", "mxfp4",
-           "nvfp4")
+FORMATS = ("int8", "int4", "int8:g128", "int4:g128", "fp8", "fp8:g128", "fp8:weight-only",
+           "mxfp4", "nvfp4")
 
 
 # --- jax's stock Hopper int8 x bf16 kernel -----------------------------------------------------

@@ -49,6 +49,8 @@ CASES = {
     "fp8_w8a8_m256": Case("fp8", 256, 256, 256, outliers=True),
     "fp8_weight_only_m7": Case("fp8:weight-only", 7, 128, 512),
     "fp8_g128_weight_only_m5": Case("fp8:g128:weight-only", 5, 256, 512),
+    "fp8_g128_w8a8_m5": Case("fp8:g128", 5, 256, 512),  # DeepSeek's blocks, fp8 activations
+    "fp8_g64_w8a8_m130": Case("fp8:g64", 130, 128, 256, outliers=True),
     "mxfp4_m5": Case("mxfp4", 5, 256, 512),
     "nvfp4_m3": Case("nvfp4", 3, 256, 512),
     "nvfp4_m64": Case("nvfp4", 64, 128, 256, outliers=True),
@@ -104,7 +106,10 @@ def oracle(case: Case, x: np.ndarray, qw) -> tuple[np.ndarray, np.ndarray]:
         frac = np.abs(t) / step - np.floor(np.abs(t) / step)
         near_tie = np.abs(frac - 0.5) < 1e-4
         tie_allowance = (np.where(near_tie, step, 0.0) * x_scale) @ np.abs(w).T
-        rel = 2.0 ** -12  # Hopper's fp8 MMA accumulates with ~14 significant bits
+        # Hopper's fp8 MMA accumulates with ~14 significant bits; group-wise weights the
+        # reference dequantises to the activation dtype (bf16: 2^-8).
+        rel = 2.0 ** -12 if qw.group_size == qw.shape[1] or case.dtype == "float32" \
+            else 2.0 ** -8
     else:
         rel = 2.0 ** -8 if case.dtype != "float32" else 2.0 ** -20
     want = x64 @ w.T

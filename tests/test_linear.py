@@ -23,7 +23,7 @@ from jaxinfer.ops.quant import VALUE_DTYPES, QuantizedWeight, parse_format
 
 # The implementations that take float weights; the others take only QuantizedWeights.
 FLOAT_IMPLEMENTATIONS = ("one_row_reduce", "reference", "fixed_rows")
-QUANTIZED_IMPLEMENTATIONS = ("mosaic_gpu", "pallas_tpu")
+QUANTIZED_IMPLEMENTATIONS = ("mosaic_gpu", "pallas_tpu", "w8a8_gpu", "mosaic_fp8_blocks")
 
 
 def test_every_implementation_is_tested():
@@ -98,8 +98,15 @@ PICKS = [
     (described(MAX_KERNEL_M, 256, 512, "int4:g128"),
      dict(hopper="mosaic_gpu", tpu="pallas_tpu")),
     (described(MAX_KERNEL_M + 1, 256, 512, "int8"), dict(tpu="pallas_tpu")),
-    # Formats the Mosaic kernel does not take (fp8) or shapes it cannot tile.
-    (described(1, 256, 512, "fp8"), dict(tpu="pallas_tpu")),
+    # W8A8 on Hopper, at any number of rows: per channel the one-pass activation
+    # quantization and XLA's fp8 dot, group-wise the Mosaic fp8 kernel.
+    (described(1, 256, 512, "fp8"), dict(hopper="w8a8_gpu", tpu="pallas_tpu")),
+    (described(300, 256, 512, "fp8"), dict(hopper="w8a8_gpu", tpu="pallas_tpu")),
+    # (The TPU kernel's W8A8 takes per-channel scales only.)
+    (described(3, 256, 512, "fp8:g128"), dict(hopper="mosaic_fp8_blocks")),
+    (described(3, 192, 512, "fp8:g128"), {}),  # N: not whole 128-column tiles
+    (described(3, 256, 512, "fp8:weight-only"), dict(tpu="pallas_tpu")),
+    # Formats the Mosaic kernels do not take, or shapes they cannot tile.
     # fp4 (MXFP4 / NVFP4): the Mosaic kernel reads its codes as words.
     (described(1, 256, 512, "nvfp4"), dict(hopper="mosaic_gpu", tpu="pallas_tpu")),
     (described(MAX_KERNEL_M, 256, 512, "mxfp4"), dict(hopper="mosaic_gpu", tpu="pallas_tpu")),

@@ -20,6 +20,7 @@ import pytest
 from quant_cases import CASES, Case, build, oracle, stored_weight
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.mosaic import fp8_blocks_matmul as fp8_blocks_kernel
 from jaxinfer.mosaic import quantized_matmul as mosaic_gpu_kernel
 from jaxinfer.ops.linear_registry import REGISTRY, linear
 from jaxinfer.ops.quant import QuantizedWeight, dequantize, error_bound, parse_format, quantize
@@ -31,7 +32,7 @@ gpu = pytest.mark.gpu
 BACKENDS = [
     *((name, "cpu") for name in REGISTRY.names),
     pytest.param("reference", "gpu", marks=gpu), pytest.param("mosaic_gpu", "gpu", marks=gpu),
-    pytest.param("w8a8_gpu", "gpu", marks=gpu),
+    pytest.param("w8a8_gpu", "gpu", marks=gpu), pytest.param("mosaic_fp8_blocks", "gpu", marks=gpu),
 ]
 KERNELS = {"mosaic_gpu": mosaic_gpu_kernel, "pallas_tpu": pallas_tpu_kernel}
 
@@ -44,13 +45,17 @@ def refusal(implementation: str, x, qw) -> str | None:
     if implementation in ("reference", "fixed_rows"):
         return None
     if implementation == "w8a8_gpu":
-        return None if qw.activations == "fp8" else "takes W8A8 weights"
+        return None if qw.activations == "fp8" else "takes a QuantizedWeight with fp8 activations"
+    if implementation == "mosaic_fp8_blocks":
+        if qw.activations != "fp8":
+            return "takes a QuantizedWeight with fp8 activations"
+        return fp8_blocks_kernel.unsupported_reason(jnp.zeros(x.shape, jnp.float8_e4m3fn), qw)
     return KERNELS[implementation].unsupported_reason(x, qw)
 
 
 def test_every_implementation_is_tested():
     assert set(REGISTRY.names) == {"one_row_reduce", "reference", "fixed_rows", "w8a8_gpu",
-                                   *KERNELS}
+                                   "mosaic_fp8_blocks", *KERNELS}
 
 
 def run(case: Case, implementation: str, platform: str):
@@ -189,7 +194,6 @@ def test_quantize_all_zero_rows_and_int4_packing():
 @pytest.mark.parametrize("spec,message", [
     ("int3", "unknown format 'int3'"),
     ("int4:g100", "group size 100"),
-    ("fp8:g128", "fp8 W8A8 takes one scale per output channel"),
     ("int8:weird", "unknown option 'weird'"),
     ("nvfp4:g32", "nvfp4 takes no options"),
     ("mxfp4:asym", "mxfp4 takes no options"),
@@ -362,6 +366,24 @@ def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, options):
     try:
         lowered = jax.jit(functools.partial(kernel, **options)).trace(
             x, w).lower(lowering_platforms=("cuda",))
+    finally:
+        kernel.clear_cache()
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("fmt", ["fp8:g128", "fp8:g64"])
+def test_fp8_blocks_kernel_lowers_for_hopper(monkeypatch, fmt):
+    """The W8A8 group-wise kernel lowers for a CUDA device from the CPU (its fp8 wgmma,
+    the scales' layouts, the TMA views): interpret mode would not notice a missing
+    lowering."""
+    kernel = fp8_blocks_kernel.fp8_blocks_matmul_mgpu
+    monkeypatch.setattr(fp8_blocks_kernel, "mosaic_interpret_params", lambda: None)
+    w = quantize(np.random.default_rng().standard_normal((256, 512)), fmt)
+    xq = jax.ShapeDtypeStruct((200, 512), jnp.float8_e4m3fn)
+    x_scales = jax.ShapeDtypeStruct((200, 1), jnp.float32)
+    kernel.clear_cache()
+    try:
+        lowered = kernel.trace(xq, x_scales, w).lower(lowering_platforms=("cuda",))
     finally:
         kernel.clear_cache()
     assert "mosaic_gpu" in lowered.as_text()

@@ -246,7 +246,7 @@ def test_cli_convert_int4_g128_then_generate(hf_128, tmp_path):
     assert result.stdout == prompt + expected + "\n"
 
 
-@pytest.mark.parametrize("spec", ["int3", "int4:g48", "fp8:g32", "int8:sym"])
+@pytest.mark.parametrize("spec", ["int3", "int4:g48", "fp8:asym", "int8:sym"])
 def test_cli_bad_quantize_spelling(spec, hf_models, tmp_path):
     _fails_cleanly(["convert", hf_models["llama"], tmp_path / "out", "--quantize", spec],
                    spec, tmp_path / "out")

@@ -152,7 +152,8 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         # norm) into both the per-token max and the quantization, and runs them as two
         # recomputing passes at a third of the copy rate (bench/NOTES.md, Linear and
         # quantized matmul: fp8 activations made before their quantization).
-        y = w8a8_product(jax.lax.optimization_barrier(x), w, quantize_activations_fp8)
+        xq, x_scales = quantize_activations_fp8(jax.lax.optimization_barrier(x))
+        y = w8a8_product(xq, x_scales, w, x.dtype)
     elif w.group_size == w.shape[1] and w.offsets is None:
         y = dot_nt(x, w.values.astype(x.dtype), x.dtype).astype(jnp.float32) * w.scales[0]
     else:
@@ -160,13 +161,16 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def w8a8_product(x: jax.Array, w: QuantizedWeight, quantize) -> jax.Array:
-    """x [M, K] @ W^T for W8A8 weights (e4m3 values, per-channel scales), float32 [M, N]:
-    x quantized per token by `quantize` (x -> (e4m3 values, scales [M, 1]): the reference's
-    `quantize_activations_fp8` or a kernel of the same numbers), an fp8 dot into x.dtype,
-    then both scales."""
-    xq, x_scales = quantize(x)
-    return dot_nt(xq, w.values, x.dtype).astype(jnp.float32) * x_scales * w.scales[0]
+def w8a8_product(xq: jax.Array, x_scales: jax.Array, w: QuantizedWeight, dtype) -> jax.Array:
+    """xq [M, K] e4m3 and its per-token scales [M, 1] (x quantized by
+    `quantize_activations_fp8`, or a kernel of the same numbers) @ W^T for W8A8 weights,
+    float32 [M, N]. Per-channel weight scales: an fp8 dot into `dtype` (x's), then both
+    scales. Group-wise (DeepSeek's blocks): the e4m3 values (exact in `dtype`) against the
+    weight dequantised to `dtype`, then the token scales; a kernel keeps that product in fp8
+    (`mosaic/fp8_blocks_matmul.py`)."""
+    if w.group_size == w.shape[1]:
+        return dot_nt(xq, w.values, dtype).astype(jnp.float32) * x_scales * w.scales[0]
+    return dot_nt(xq.astype(dtype), dequantize(w, dtype)) * x_scales
 
 
 def quantized_product(matmul, x: jax.Array, w: QuantizedWeight) -> jax.Array:

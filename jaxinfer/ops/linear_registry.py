@@ -8,9 +8,12 @@ epilogue (`linear_epilogue`).
   mosaic_gpu      the Mosaic GPU quantized matmul: Hopper, int8 / int4 / fp4 (MXFP4,
                   NVFP4) weight-only `QuantizedWeight`s, up to MAX_KERNEL_M rows (decode)
   pallas_tpu      the Pallas TPU quantized matmul: TPU, `QuantizedWeight`s
-  w8a8_gpu        W8A8 (fp8 activations) on Hopper, any number of rows: x quantized per
-                  token by a Pallas GPU kernel in one pass over x
-                  (`pallas_kernels/fp8_rows_gpu.py`), then the reference's fp8 dot
+  w8a8_gpu        W8A8 (fp8 activations) with per-channel weight scales on Hopper, any
+                  number of rows: x quantized per token by a Pallas GPU kernel in one pass
+                  over x (`pallas_kernels/fp8_rows_gpu.py`), then the reference's fp8 dot
+  mosaic_fp8_blocks  W8A8 with group-wise weight scales (DeepSeek's 128 x 128 blocks) on
+                  Hopper: x quantized as for w8a8_gpu, then the Mosaic GPU fp8 kernel that
+                  scales each group's partial products (`mosaic/fp8_blocks_matmul.py`)
   one_row_reduce  XLA, float weights: one row (batch-1 decode) with K >= ONE_ROW_REDUCE_MIN_K
                   as a multiply and a row reduction, on every platform
   reference       XLA: one dot for float weights, dequantise + dot for quantized ones
@@ -47,6 +50,7 @@ from jaxinfer.ops.registry import Implementation, KernelModule, Registry, by_row
 mosaic_gpu_kernel = KernelModule("jaxinfer.mosaic.quantized_matmul", "hopper")
 pallas_tpu_kernel = KernelModule("jaxinfer.pallas_kernels.quantized_matmul", "tpu")
 fp8_rows_gpu_kernel = KernelModule("jaxinfer.pallas_kernels.fp8_rows_gpu", "hopper")
+fp8_blocks_kernel = KernelModule("jaxinfer.mosaic.fp8_blocks_matmul", "hopper")
 
 # Up to this many rows (tokens) the Mosaic kernel runs; above it the reference, whose dot
 # XLA fuses with the per-channel dequantisation (group-wise weights it dequantises into a
@@ -84,12 +88,27 @@ def _pallas_tpu_supports(call: LinearCall) -> str | None:
             or pallas_tpu_kernel.unsupported_reason(call.x, call.weight))
 
 
-def _w8a8_gpu_supports(call: LinearCall) -> str | None:
+def _w8a8_reason(call: LinearCall) -> str | None:
     if (reason := needs("hopper") or _quantized_reason(call)) is not None:
         return reason
     if call.weight.activations != "fp8":
         return "weight-only formats: the other kernels or the reference"
     return fp8_rows_gpu_kernel.supports(call.x)
+
+
+def _w8a8_gpu_supports(call: LinearCall) -> str | None:
+    if (reason := _w8a8_reason(call)) is not None:
+        return reason
+    if call.weight.group_size != call.weight.shape[1]:
+        return "group-wise weight scales: mosaic_fp8_blocks"
+    return None
+
+
+def _fp8_blocks_supports(call: LinearCall) -> str | None:
+    if (reason := _w8a8_reason(call)) is not None:
+        return reason
+    xq = jax.ShapeDtypeStruct(call.x.shape, jnp.float8_e4m3fn)
+    return fp8_blocks_kernel.unsupported_reason(xq, call.weight)
 
 
 def _one_row_reduce_supports(call: LinearCall) -> str | None:
@@ -115,14 +134,25 @@ def _kernel(name: str, kernel: KernelModule, matmul: str):
     return run
 
 
-def _w8a8_gpu(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
-    del rounded  # a quantized product is in x.dtype already
-    if not isinstance(weight, QuantizedWeight) or weight.activations != "fp8":
-        raise ValueError("linear w8a8_gpu: takes W8A8 weights (--quantize fp8)")
+def _w8a8(name: str, matmul):
+    """A W8A8 implementation: x [M, K] quantized per token by the Pallas GPU kernel, then
+    matmul(xq, x_scales, w, x.dtype) -> [M, N]."""
+    def run(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
+        del rounded  # a quantized product is in x.dtype already
+        if not isinstance(weight, QuantizedWeight) or weight.activations != "fp8":
+            raise ValueError(f"linear {name}: takes a QuantizedWeight with fp8 activations "
+                             "(W8A8: --quantize fp8)")
 
-    def matmul(x2, w):
-        return w8a8_product(x2, w, fp8_rows_gpu_kernel.quantize_rows_fp8_gpu).astype(x.dtype)
-    return linear_epilogue(quantized_product(matmul, x, weight), x.dtype, bias, row_scale)
+        def product(x2, w):
+            xq, x_scales = fp8_rows_gpu_kernel.quantize_rows_fp8_gpu(x2)
+            return matmul(xq, x_scales, w, x.dtype).astype(x.dtype)
+        return linear_epilogue(quantized_product(product, x, weight), x.dtype, bias,
+                               row_scale)
+    return run
+
+
+def _fp8_blocks(xq, x_scales, w: QuantizedWeight, dtype):
+    return fp8_blocks_kernel.fp8_blocks_matmul_mgpu(xq, x_scales, w, out_dtype=dtype)
 
 
 def fixed_rows(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
@@ -146,7 +176,9 @@ REGISTRY = Registry("linear", [
     Implementation("pallas_tpu",
                    _kernel("pallas_tpu", pallas_tpu_kernel, "quantized_matmul_tpu"),
                    _pallas_tpu_supports),
-    Implementation("w8a8_gpu", _w8a8_gpu, _w8a8_gpu_supports),
+    Implementation("w8a8_gpu", _w8a8("w8a8_gpu", w8a8_product), _w8a8_gpu_supports),
+    Implementation("mosaic_fp8_blocks", _w8a8("mosaic_fp8_blocks", _fp8_blocks),
+                   _fp8_blocks_supports),
     Implementation("one_row_reduce", _one_row_reduce, _one_row_reduce_supports),
     Implementation("reference", linear_reference, lambda call: None),
     Implementation("fixed_rows", fixed_rows, lambda call: None, batch_invariant=True),

@@ -25,8 +25,8 @@ per token to e4m3 on the fly (W8A8); otherwise weights are dequantized against
 bf16/f32 activations (weight-only).
 
 Formats are named by strings, as on the command line: "int8", "int4" (per
-channel), "int4:g128", "int8:g64", "int4:g128:asym", "fp8" (W8A8), "fp8:weight-only",
-"mxfp4", "nvfp4".
+channel), "int4:g128", "int8:g64", "int4:g128:asym", "fp8" (W8A8), "fp8:g128" (W8A8 on
+group-wise scales: DeepSeek's blocks), "fp8:weight-only", "mxfp4", "nvfp4".
 
 `k_order="chunks"` (int4 only; set once at load where the Mosaic kernel reads the codes as
 32-bit words, `jaxinfer.ops.linear_registry.kernel_k_order`): within each 64-column tile of
@@ -198,8 +198,9 @@ class QuantFormat:
 
 
 def parse_format(spec: str) -> QuantFormat:
-    """'int8' | 'int4' | 'int4:g128' | 'int8:g32:asym' | 'fp8' | 'fp8:weight-only' |
-    'fp8:g128:weight-only' (DeepSeek's block-FP8 weights) | 'mxfp4' | 'nvfp4'."""
+    """'int8' | 'int4' | 'int4:g128' | 'int8:g32:asym' | 'fp8' | 'fp8:g128' (W8A8 on
+    DeepSeek's block-FP8 weights) | 'fp8:weight-only' | 'fp8:g128:weight-only' | 'mxfp4' |
+    'nvfp4'."""
     fp4_groups = {name: g for g, name in FP4_FORMATS.items()}
     if spec in fp4_groups:
         return QuantFormat("fp4", fp4_groups[spec])
@@ -224,9 +225,6 @@ def parse_format(spec: str) -> QuantFormat:
             activations = None
         else:
             raise JaxinferError(f"--quantize {spec!r}: unknown option {opt!r} for {kind}")
-    if kind == "fp8" and group_size and activations:
-        raise JaxinferError(f"--quantize {spec!r}: fp8 W8A8 takes one scale per output "
-                            "channel (groups of fp8 weights: add :weight-only)")
     return QuantFormat(kind, group_size, asymmetric, activations)
 
 
