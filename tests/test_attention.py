@@ -963,7 +963,9 @@ def test_a_runner_imports_its_platforms_kernels_before_loading_programs():
                               "jaxinfer.mosaic.quantized_matmul",
                               "jaxinfer.mosaic.grouped_matmul",
                               "jaxinfer.pallas_kernels.ragged_paged_attention_gpu",
-                              "jaxinfer.pallas_kernels.kv_write_gpu"}, names
+                              "jaxinfer.pallas_kernels.kv_write_gpu",
+                              "jaxinfer.pallas_kernels.fp8_rows_gpu",
+                              "jaxinfer.mosaic.fp8_blocks_matmul"}, names
         assert all(n in sys.modules for n in names)
         assert "jax.experimental.mosaic.gpu" in sys.modules
     """)
