@@ -94,8 +94,7 @@ def force_kernel_config(spec: str):
         if only_n is not None and w.shape[0] != only_n:
             return cfg
         new = dataclasses.replace(cfg, **override)
-        pieces = w.shape[1] // qmm.piece_size(w)
-        if pieces % (new.pieces_per_step * new.k_splits) or new.pieces_per_step % new.compute_wgs:
+        if not qmm.tiles(new, w.shape[1], qmm.piece_size(w)):
             print(f"--kernel-config: {new} does not tile {w.shape}; the default stays")
             return cfg
         return new

@@ -379,6 +379,14 @@ def default_config(x: jax.Array, w: QuantizedWeight) -> Config:
                          nibble_words.takes_words32(w.kind, x.dtype, piece))
 
 
+def tiles(cfg: Config, k: int, piece: int) -> bool:
+    """Whether cfg cuts K (in pieces of `piece`) into whole steps of every K split, each
+    step's pieces shared evenly by its consumers, in a token tile the kernel takes."""
+    return not ((k // piece) % (cfg.pieces_per_step * cfg.k_splits)
+                or cfg.pieces_per_step % cfg.compute_wgs or cfg.compute_wgs not in (1, 2)
+                or cfg.tile_m % 8 or cfg.tile_m > MAX_TILE_M)
+
+
 def _scales_per_piece(w: QuantizedWeight, piece: int) -> int:
     """0 for per-channel scales, else the scale groups a piece holds."""
     return 0 if w.group_size == w.shape[1] else max(1, piece // w.group_size)
@@ -408,8 +416,7 @@ def quantized_matmul_mgpu(x: jax.Array, w: QuantizedWeight, *,
     fp4_words = fp4 and not words32  # fp4 otherwise read as 16-bit words
     pps, wgs, tm, stages = cfg.pieces_per_step, cfg.compute_wgs, cfg.tile_m, cfg.num_stages
     total_pieces = k // piece
-    if (total_pieces % (pps * cfg.k_splits) or pps % wgs or wgs not in (1, 2) or tm % 8
-            or tm > MAX_TILE_M):
+    if not tiles(cfg, k, piece):
         raise ValueError(f"mosaic quantized matmul: config {cfg} does not tile "
                          f"M={m} N={n} K={k} (piece {piece})")
     steps = total_pieces // (pps * cfg.k_splits)
