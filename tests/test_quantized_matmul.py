@@ -371,11 +371,12 @@ def test_mosaic_kernel_lowers_for_hopper(monkeypatch, fmt, options):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("fmt", ["fp8:g128", "fp8:g64"])
-def test_fp8_blocks_kernel_lowers_for_hopper(monkeypatch, fmt):
+@pytest.mark.parametrize("fmt,k_splits", [("fp8:g128", None), ("fp8:g128", 1),
+                                           ("fp8:g64", None), ("fp8:g64", 1)])
+def test_fp8_blocks_kernel_lowers_for_hopper(monkeypatch, fmt, k_splits):
     """The W8A8 group-wise kernel lowers for a CUDA device from the CPU (its fp8 wgmma,
-    the scales' layouts, the TMA views): interpret mode would not notice a missing
-    lowering."""
+    the scales' layouts, the TMA views), with K split (small M's default) and whole (its
+    pairs of steps in flight): interpret mode would not notice a missing lowering."""
     kernel = fp8_blocks_kernel.fp8_blocks_matmul_mgpu
     monkeypatch.setattr(fp8_blocks_kernel, "mosaic_interpret_params", lambda: None)
     w = quantize(np.random.default_rng().standard_normal((256, 512)), fmt)
@@ -383,10 +384,34 @@ def test_fp8_blocks_kernel_lowers_for_hopper(monkeypatch, fmt):
     x_scales = jax.ShapeDtypeStruct((200, 1), jnp.float32)
     kernel.clear_cache()
     try:
-        lowered = kernel.trace(xq, x_scales, w).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(functools.partial(kernel, k_splits=k_splits)).trace(
+            xq, x_scales, w).lower(lowering_platforms=("cuda",))
     finally:
         kernel.clear_cache()
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("name,k_splits", [("fp8_g128_w8a8_m5", 1), ("fp8_g128_w8a8_m5", 2),
+                                           ("fp8_g64_w8a8_m130", 1)])
+def test_fp8_blocks_kernel_k_splits(monkeypatch, name, k_splits):
+    """The W8A8 group-wise kernel with K's groups split otherwise than small M's default
+    (which splits these cases' K to a group a CTA, tested through the registry above):
+    whole (pairs of steps in flight, and an odd step after them) and in two parts, each
+    against the float64 oracle (interpret mode)."""
+    case = CASES[name]
+    kernel = fp8_blocks_kernel.fp8_blocks_matmul_mgpu
+    monkeypatch.setattr(fp8_blocks_kernel, "choose_k_splits", lambda *_: k_splits)
+    b = build(case)
+    qw = quantize(b["w"], case.fmt)
+    kernel.clear_cache()  # traced with the patched choice: kept from no other test
+    try:
+        y = linear(jnp.asarray(b["x"], case.dtype), qw, implementation="mosaic_fp8_blocks")
+    finally:
+        kernel.clear_cache()
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    want, allowance = oracle(case, b["x"], qw)
+    assert np.isfinite(y).all() and (np.abs(y - want) <= allowance).all(), (
+        f"max excess {np.max(np.abs(y - want) - allowance):.3g}")
 
 
 # int4 cases whose weights may be stored in the Mosaic kernel's chunk order (groups of 64 or
