@@ -181,18 +181,21 @@ class Linear(nnx.Module):
         return w, QuantizedWeight(self.axes, parts, None if w.offsets is None else parts,
                                   w.activations, w.k_order)
 
-    def __call__(self, x, row_scale=None, *, rounded: bool = False):
-        """x [..., in] -> [..., out]; `row_scale` [..., 1] f32, `rounded`: see `linear`."""
+    def __call__(self, x, row_scale=None, *, rounded: bool = False,
+                 prologue: str | None = None):
+        """x [..., in] -> [..., out]; `row_scale` [..., 1] f32, `rounded`: see `linear`;
+        `prologue` "swiglu": x [..., 2 in], on a mesh each device's slice the gate | up
+        halves of its `in` features (a joined gate_up's output: `join_linears`)."""
         bias = None if self.bias is None else self.bias[...]
         w, w_axes = self.weight_and_axes()
         if current_mesh() is None:
-            return linear(x, w, bias, row_scale, rounded=rounded)
+            return linear(x, w, bias, row_scale, rounded=rounded, prologue=prologue)
         # On a mesh each device multiplies by its shard (the same dot, or kernel, as on one
         # device); a split `in` axis leaves partial sums, which one psum joins: the one
         # all-reduce of a column-split -> row-split block.
         out_axis, in_axis = self.axes
         lead = (None,) * (x.ndim - 1)
-        in_features = x.shape[-1]
+        in_features = self.weight.shape[-1]
 
         args, axes = [x, w], [P(*lead, in_axis), w_axes]
         for extra, extra_axes in ((bias, P(out_axis)), (row_scale, P(*lead, None))):
@@ -204,9 +207,9 @@ class Linear(nnx.Module):
             extras = iter(extras)
             b = None if bias is None else next(extras)
             scale = None if row_scale is None else next(extras)
-            if x.shape[-1] == in_features:
-                return linear(x, w, b, scale, rounded=rounded)
-            y = reduce_over((in_axis,), linear(x, w))
+            if w.shape[-1] == in_features:
+                return linear(x, w, b, scale, rounded=rounded, prologue=prologue)
+            y = reduce_over((in_axis,), linear(x, w, prologue=prologue))
             if b is None and scale is None:
                 return y
             y = y.astype(jnp.float32) * (1.0 if scale is None else scale)
@@ -499,5 +502,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, row_norm: RowNorm | None = None):
         """x [T, hidden] (and its `row_norm`, see `RMSNorm.projection_input`) -> [T, hidden]."""
-        gate, up = self.gate_up_proj(x, projection_row_scale(row_norm))
-        return self.down_proj(jax.nn.silu(gate) * up)
+        # gate | up side by side, as the joined projection lays them out: down applies the
+        # SwiGLU (a W8A8 down in the pass that quantizes its input; `linear`'s prologue)
+        gate_up = self.gate_up_proj.joined(x, projection_row_scale(row_norm))
+        return self.down_proj(gate_up, prologue="swiglu")

@@ -33,8 +33,8 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import MLP, Linear, abstract_module
 from jaxinfer.ops.expert_routing import ExpertRows, expert_rows, top_k_experts
-from jaxinfer.ops.grouped_matmul import swiglu_halves
 from jaxinfer.ops.grouped_matmul_registry import grouped_matmul
+from jaxinfer.ops.linear import swiglu_halves
 from jaxinfer.ops.registry import row_local
 from jaxinfer.sharding import P, reduce_over, shard_index, shard_map_logical
 

@@ -99,7 +99,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.mosaic import nibble_words
-from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order, swiglu_halves
+from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order
+from jaxinfer.ops.linear import swiglu_halves
 from jaxinfer.ops.platform import mosaic_interpret_params
 from jaxinfer.ops.quant import QuantizedWeight, chunk_order, dequantize, stored_order_reason
 

@@ -66,6 +66,42 @@ def test_linear_matches_oracle(rows, k, extras, implementation):
     assert ("dot_general" in jaxpr) == (not one_row)
 
 
+@pytest.mark.parametrize("implementation", [None, *REGISTRY.names])
+@pytest.mark.parametrize("rows,k", [(1, ONE_ROW_REDUCE_MIN_K + 64), (3, 576)])
+def test_swiglu_prologue_matches_oracle(rows, k, implementation):
+    """prologue="swiglu": x [M, 2K] holds gate | up, the product takes silu(gate) * up
+    (float32, rounded to x.dtype once), whether the implementation applies it itself
+    (`fuses`) or `linear` does before it."""
+    rng = np.random.default_rng()
+    n = 64
+    x = jnp.asarray(rng.standard_normal((rows, 2 * k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.bfloat16)
+    if implementation in QUANTIZED_IMPLEMENTATIONS:
+        with pytest.raises(ValueError, match="takes a QuantizedWeight"):
+            linear(x, w, prologue="swiglu", implementation=implementation)
+        return
+    y = jax.jit(lambda x, w: linear(x, w, prologue="swiglu",
+                                    implementation=implementation))(x, w)
+    assert y.dtype == jnp.bfloat16 and y.shape == (rows, n)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    gate, up = x64[:, :k], x64[:, k:]
+    h = gate / (1 + np.exp(-gate)) * up
+    mag = np.abs(h) @ np.abs(w64).T
+    # h rounded to bf16, then as the plain product: float32 sums, two bf16 roundings
+    np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - h @ w64.T),
+                                 3 * 2.0 ** -8 * mag + 1e-6)
+
+
+def test_swiglu_prologue_checks_its_halves():
+    with pytest.raises(ValueError, match=r"x has 510 features \(the SwiGLU's two halves\), "
+                                         "the weight 256"):
+        linear(jnp.ones((1, 510), jnp.bfloat16), jnp.ones((8, 256), jnp.bfloat16),
+               prologue="swiglu")
+    with pytest.raises(ValueError, match="prologue 'gelu' is not one of"):
+        linear(jnp.ones((1, 512), jnp.bfloat16), jnp.ones((8, 256), jnp.bfloat16),
+               prologue="gelu")
+
+
 def test_feature_mismatch_is_named():
     with pytest.raises(ValueError, match="x has 255 features, the weight 256"):
         linear(jnp.ones((1, 255), jnp.bfloat16), jnp.ones((8, 256), jnp.bfloat16))

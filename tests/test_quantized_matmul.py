@@ -253,6 +253,65 @@ def test_fp8_row_quantization(dtype, m, k, platform):
                                    f"{np.argwhere(bad)[:3].tolist()}")
 
 
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("dtype,m,k", [("bfloat16", 5, 1000), ("float32", 3, 640)])
+def test_fp8_row_quantization_swiglu(dtype, m, k, platform):
+    """W8A8's quantization with the SwiGLU prologue (x [M, 2K] = gate | up), the reference
+    (`swiglu_halves` then `quantize_activations_fp8`) and the GPU kernel that reads both
+    halves in its one pass, against a float64 oracle of silu(gate) * up: each row's scale
+    its max / 448 and each value within one e4m3 step (the halves' product is rounded to
+    x's dtype first, so a value near a tie may round either way). Swapped halves, a wrong
+    offset to up, or no SwiGLU at all break it by far more."""
+    from jaxinfer.ops.linear import quantize_activations_fp8, swiglu_halves
+    from jaxinfer.pallas_kernels.fp8_rows_gpu import quantize_rows_fp8_gpu
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((m, 2 * k)) * 2.0 ** rng.uniform(-4, 4, (m, 1))
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)  # as stored
+    gate, up = x[:, :k], x[:, k:]
+    h = gate / (1 + np.exp(-gate)) * up
+    want_scales = np.abs(h).max(axis=1, keepdims=True) / 448.0
+    steps = np.where(np.abs(h / want_scales) >= 2.0 ** -6, 2.0 ** (np.floor(np.log2(
+        np.maximum(np.abs(h / want_scales), 1e-30))) - 3), 2.0 ** -9) * want_scales
+    fns = {"reference": lambda x: quantize_activations_fp8(swiglu_halves(x, x.dtype)),
+           "kernel": lambda x: quantize_rows_fp8_gpu(x, swiglu=True)}
+    with jax.default_device(jax.devices(platform)[0]):
+        for name, fn in fns.items():
+            values, scales = jax.jit(fn)(jnp.asarray(x, dtype))
+            assert values.dtype == jnp.float8_e4m3fn and values.shape == (m, k), name
+            scales = np.asarray(scales, np.float64)
+            np.testing.assert_allclose(scales, want_scales, rtol=2.0 ** -7, err_msg=name)
+            got = np.asarray(values).astype(np.float64) * scales
+            bad = np.abs(got - h) > steps * (1 + 2.0 ** -6)
+            assert not bad.any(), (f"{name}: {bad.sum()} values off, first at "
+                                   f"{np.argwhere(bad)[:3].tolist()}")
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=gpu)])
+@pytest.mark.parametrize("name,implementation", [("fp8_w8a8_m1", "w8a8_gpu"),
+                                                 ("fp8_g128_w8a8_m5", "mosaic_fp8_blocks")])
+def test_w8a8_swiglu_prologue(name, implementation, platform):
+    """A W8A8 down projection with the SwiGLU prologue (`linear(..., prologue="swiglu")`):
+    the implementation quantizes silu(gate) * up from x [M, 2K] in its one pass, against
+    the float64 oracle of that product (the halves' product rounded to bf16, as the
+    contract rounds it; a value it moves across an e4m3 tie is allowed for)."""
+    case = CASES[name]
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((case.m, 2 * case.k)), jnp.bfloat16)
+    x64 = np.asarray(x, np.float64)
+    gate, up = x64[:, :case.k], x64[:, case.k:]
+    h = np.asarray(jnp.asarray(gate / (1 + np.exp(-gate)) * up, jnp.bfloat16), np.float64)
+    with jax.default_device(jax.devices(platform)[0]):
+        qw = quantize(build(case)["w"], case.fmt)
+        y = jax.jit(functools.partial(linear, prologue="swiglu",
+                                      implementation=implementation))(x, qw)
+    assert y.shape == (case.m, case.n) and y.dtype == jnp.bfloat16
+    want, allowance = oracle(case, h, qw)
+    allowance += 2.0 ** -7 * (np.abs(h) @ np.abs(stored_weight(qw)).T)
+    err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - want)
+    assert (err <= allowance).all(), f"max excess {np.max(err - allowance):.3g}"
+
+
 def test_weight_is_a_pytree_with_static_activation_mode():
     qw = quantize(np.ones((128, 256), np.float32), "fp8")
     leaves, treedef = jax.tree_util.tree_flatten(qw)

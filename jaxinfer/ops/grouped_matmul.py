@@ -35,7 +35,7 @@ implementation for the call (`GroupedMatmulCall`) and runs it; this module holds
 share: the row metadata (`RowGroups`, `GROUP_ALIGN`), the shape checks, the pure-JAX
 reference (`grouped_matmul_reference`, the spec the kernels are tested against), the
 row-by-row form (`grouped_matmul_rows`), and the helpers for rows out of group order
-(`in_group_order`) and the SwiGLU halves (`swiglu_halves`).
+(`in_group_order`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.ops.linear import swiglu_halves
 from jaxinfer.ops.quant import QuantizedWeight, dequantize
 
 ExpertWeights = jax.Array | QuantizedWeight
@@ -65,12 +66,6 @@ class RowGroups(NamedTuple):
     group: jax.Array
     start: jax.Array
     end: jax.Array
-
-
-def swiglu_halves(y: jax.Array, dtype) -> jax.Array:
-    """[M, 2N'] (gate | up) -> silu(gate) * up [M, N'] in dtype, computed in float32."""
-    gate, up = jnp.split(y.astype(jnp.float32), 2, axis=-1)
-    return (jax.nn.silu(gate) * up).astype(dtype)
 
 
 def grouped_matmul_reference(x: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *,

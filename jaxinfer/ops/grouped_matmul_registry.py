@@ -37,8 +37,8 @@ from jaxinfer.ops.grouped_matmul import (
     grouped_matmul_reference,
     grouped_matmul_rows,
     in_group_order,
-    swiglu_halves,
 )
+from jaxinfer.ops.linear import swiglu_halves
 from jaxinfer.ops.platform import needs
 from jaxinfer.ops.registry import Implementation, KernelModule, Registry, by_row_blocks
 

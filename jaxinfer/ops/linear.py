@@ -1,8 +1,10 @@
 """The linear layer: the contract every caller and every implementation shares.
 
-    linear(x, weight, bias=None, row_scale=None, *, rounded=False) -> y
+    linear(x, weight, bias=None, row_scale=None, *, rounded=False, prologue=None) -> y
 
-  x          [..., K]  bfloat16 / float16 / float32 activations
+  x          [..., K]  bfloat16 / float16 / float32 activations; with prologue "swiglu"
+             [..., 2K], the gate | up halves of a SwiGLU, whose silu(gate) * up
+             (`swiglu_halves`: float32, rounded to x.dtype) the product takes
   weight     [N, K]    float (cast to x.dtype), or a `QuantizedWeight` of W [N, K]
                        (`jaxinfer.ops.quant`: int8 / int4 / fp8 values, per-group scales)
   bias       [N]       float (added in float32), or None
@@ -32,6 +34,10 @@ cannot take the cast, which then ran as a kernel of its own (the fused q/k/v pro
 read by the attention's k / v write kernel: bench/NOTES.md, Ragged paged attention: One
 pass for the k / v write and q). The values are the same either way. The one-row product
 is a reduction whose float32 result is scaled unrounded (XLA fuses its cast).
+
+Prologue: an implementation that does the SwiGLU itself says so (the registry's `fuses`:
+W8A8's activation quantization on Hopper, which reads the halves in the same pass);
+for the others `linear` applies `swiglu_halves` first, which XLA fuses into one kernel.
 """
 
 from __future__ import annotations
@@ -54,18 +60,36 @@ from jaxinfer.ops.quant import (
 Weight = jax.Array | QuantizedWeight
 
 
+PROLOGUES = ("swiglu",)
+
+
+def swiglu_halves(y: jax.Array, dtype) -> jax.Array:
+    """[..., 2N'] (gate | up) -> silu(gate) * up [..., N'] in dtype, computed in float32."""
+    gate, up = jnp.split(y.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(dtype)
+
+
+def product_features(x, prologue: str | None) -> int:
+    """The K the product takes from x [..., K] (or [..., 2K] with the SwiGLU prologue)."""
+    if prologue not in (None, *PROLOGUES):
+        raise ValueError(f"linear: prologue {prologue!r} is not one of {PROLOGUES}")
+    return x.shape[-1] // 2 if prologue == "swiglu" else x.shape[-1]
+
+
 class LinearCall(NamedTuple):
     """What the implementations' `supports` predicates read (shapes and dtypes only):
-    x as its 2-D view [M, K], and the weight (a float [N, K] array or a `QuantizedWeight`;
-    a call may be described with `jax.ShapeDtypeStruct`s in place of arrays)."""
+    the product's input as its 2-D view [M, K] (after any prologue), and the weight (a
+    float [N, K] array or a `QuantizedWeight`; a call may be described with
+    `jax.ShapeDtypeStruct`s in place of arrays)."""
     x: jax.ShapeDtypeStruct
     weight: Weight
 
     @classmethod
-    def describe(cls, x, weight: Weight) -> LinearCall:
-        """The call linear(x [..., K], weight) makes."""
+    def describe(cls, x, weight: Weight, prologue: str | None = None) -> LinearCall:
+        """The call linear(x [..., K] (or [..., 2K]), weight, prologue=...) makes."""
         rows = math.prod(x.shape[:-1])
-        return cls(jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype), weight)
+        k = product_features(x, prologue)
+        return cls(jax.ShapeDtypeStruct((rows, k), x.dtype), weight)
 
     @property
     def rows(self) -> int:
@@ -76,11 +100,13 @@ class LinearCall(NamedTuple):
         return isinstance(self.weight, QuantizedWeight)
 
 
-def check_features(x, weight: Weight):
-    """Raises ValueError unless x [..., K] and the weight [N, K] agree on K."""
+def check_features(x, weight: Weight, prologue: str | None = None):
+    """Raises ValueError unless x [..., K] (with the SwiGLU prologue [..., 2K]) and the
+    weight [N, K] agree on K."""
     k = weight.shape[-1]
-    if x.shape[-1] != k:
-        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight {k}")
+    if product_features(x, prologue) != k or (prologue and x.shape[-1] % 2):
+        halves = " (the SwiGLU's two halves)" if prologue else ""
+        raise ValueError(f"linear: x has {x.shape[-1]} features{halves}, the weight {k}")
 
 
 def linear_epilogue(y: jax.Array, dtype, bias: jax.Array | None,

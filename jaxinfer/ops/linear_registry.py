@@ -41,6 +41,7 @@ from jaxinfer.ops.linear import (
     linear_reference,
     one_row_product,
     quantized_product,
+    swiglu_halves,
     w8a8_product,
 )
 from jaxinfer.ops.platform import needs, platform
@@ -135,18 +136,19 @@ def _kernel(name: str, kernel: KernelModule, matmul: str):
 
 
 def _w8a8(name: str, matmul):
-    """A W8A8 implementation: x [M, K] quantized per token by the Pallas GPU kernel, then
+    """A W8A8 implementation: x [M, K] quantized per token by the Pallas GPU kernel (which
+    applies the SwiGLU prologue in the same pass: x then [M, 2K]), then
     matmul(xq, x_scales, w, x.dtype) -> [M, N]."""
-    def run(x, weight: Weight, bias=None, row_scale=None, *, rounded=False):
+    def run(x, weight: Weight, bias=None, row_scale=None, *, rounded=False, prologue=None):
         del rounded  # a quantized product is in x.dtype already
         if not isinstance(weight, QuantizedWeight) or weight.activations != "fp8":
             raise ValueError(f"linear {name}: takes a QuantizedWeight with fp8 activations "
                              "(W8A8: --quantize fp8)")
 
-        def product(x2, w):
-            xq, x_scales = fp8_rows_gpu_kernel.quantize_rows_fp8_gpu(x2)
-            return matmul(xq, x_scales, w, x.dtype).astype(x.dtype)
-        return linear_epilogue(quantized_product(product, x, weight), x.dtype, bias,
+        xq, x_scales = fp8_rows_gpu_kernel.quantize_rows_fp8_gpu(
+            x.reshape(-1, x.shape[-1]), swiglu=prologue == "swiglu")
+        y = matmul(xq, x_scales, weight, x.dtype).astype(x.dtype)
+        return linear_epilogue(y.reshape(*x.shape[:-1], weight.shape[0]), x.dtype, bias,
                                row_scale)
     return run
 
@@ -176,9 +178,10 @@ REGISTRY = Registry("linear", [
     Implementation("pallas_tpu",
                    _kernel("pallas_tpu", pallas_tpu_kernel, "quantized_matmul_tpu"),
                    _pallas_tpu_supports),
-    Implementation("w8a8_gpu", _w8a8("w8a8_gpu", w8a8_product), _w8a8_gpu_supports),
+    Implementation("w8a8_gpu", _w8a8("w8a8_gpu", w8a8_product), _w8a8_gpu_supports,
+                   fuses=("swiglu",)),
     Implementation("mosaic_fp8_blocks", _w8a8("mosaic_fp8_blocks", _fp8_blocks),
-                   _fp8_blocks_supports),
+                   _fp8_blocks_supports, fuses=("swiglu",)),
     Implementation("one_row_reduce", _one_row_reduce, _one_row_reduce_supports),
     Implementation("reference", linear_reference, lambda call: None),
     Implementation("fixed_rows", fixed_rows, lambda call: None, batch_invariant=True),
@@ -203,10 +206,16 @@ def kernel_k_order(weight: QuantizedWeight, shard_k: int, x_dtype,
 
 def linear(x: jax.Array, weight: Weight, bias: jax.Array | None = None,
            row_scale: jax.Array | None = None, *, rounded: bool = False,
-           implementation: str | None = None) -> jax.Array:
+           prologue: str | None = None, implementation: str | None = None) -> jax.Array:
     """x [..., K] @ weight [N, K]^T (* row_scale [..., 1]) (+ bias [N]) -> [..., N] in x.dtype
-    (`jaxinfer.ops.linear` has the contract, and what `rounded` asks). `implementation`
-    forces one of REGISTRY.names; None picks the first that supports the call."""
-    check_features(x, weight)
-    impl = REGISTRY.pick(LinearCall.describe(x, weight), implementation)
-    return impl.fn(x, weight, bias, row_scale, rounded=rounded)
+    (`jaxinfer.ops.linear` has the contract, and what `rounded` and `prologue` ask).
+    `implementation` forces one of REGISTRY.names; None picks the first that supports the
+    call. A prologue the implementation does not do itself (`fuses`) runs here first."""
+    check_features(x, weight, prologue)
+    call = LinearCall.describe(x, weight, prologue)
+    impl = REGISTRY.pick(call, implementation)
+    if prologue is None:
+        return impl.fn(x, weight, bias, row_scale, rounded=rounded)
+    if prologue in impl.fused(call):
+        return impl.fn(x, weight, bias, row_scale, rounded=rounded, prologue=prologue)
+    return impl.fn(swiglu_halves(x, x.dtype), weight, bias, row_scale, rounded=rounded)
