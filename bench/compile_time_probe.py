@@ -86,7 +86,7 @@ def mosaic(preset):
 
     from jaxinfer.ops.attention import AttentionMetadata
     from jaxinfer.ops.attention_registry import ragged_paged_attention
-    from jaxinfer.ops.registry import import_platform_kernels
+    from jaxinfer.ops.kernels import import_platform_kernels
 
     import_platform_kernels()
     c = presets.preset_config(preset)

@@ -954,7 +954,7 @@ def test_a_runner_imports_its_platforms_kernels_before_loading_programs():
     code = textwrap.dedent("""
         import sys
         import jaxinfer.ops.platform as platform
-        from jaxinfer.ops.registry import import_platform_kernels
+        from jaxinfer.ops.kernels import import_platform_kernels
         assert import_platform_kernels() == []
         assert not any(m.startswith("jaxinfer.mosaic.") for m in sys.modules)
         platform.platform = lambda: "hopper"

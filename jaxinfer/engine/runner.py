@@ -35,11 +35,8 @@ from jaxinfer.engine.sampling import (
 from jaxinfer.engine.scheduler import SeqChunk
 from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata
-from jaxinfer.ops.registry import (
-    batch_invariant_mode,
-    import_platform_kernels,
-    invariant_compiler_options,
-)
+from jaxinfer.ops.kernels import import_platform_kernels
+from jaxinfer.ops.registry import batch_invariant_mode, invariant_compiler_options
 from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
 
 # The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page

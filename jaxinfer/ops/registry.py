@@ -59,18 +59,10 @@ class KernelModule:
 _KERNEL_MODULES: list[KernelModule] = []
 
 
-def import_platform_kernels() -> list[str]:
-    """Imports the kernel modules of this process's platform; returns their names. A step
-    program loaded from disk, never traced here, calls into their runtimes: importing
-    Mosaic GPU loads the host symbols its kernels launch through
-    (`mosaic_gpu_launch_kernel`); without them XLA could not load such a program and it
-    compiled again."""
-    from jaxinfer.ops import attention_registry, grouped_matmul_registry, linear_registry
-    from jaxinfer.ops.platform import platform
-
-    del attention_registry, grouped_matmul_registry, linear_registry  # they name the kernels
-    here = platform()
-    return [k.name for k in _KERNEL_MODULES if k.platform == here and k.module() is not None]
+def kernel_modules() -> tuple[KernelModule, ...]:
+    """Every `KernelModule` the registries imported so far name (`jaxinfer.ops.kernels`
+    imports them all)."""
+    return tuple(_KERNEL_MODULES)
 
 
 @dataclasses.dataclass(frozen=True)
