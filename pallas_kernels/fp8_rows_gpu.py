@@ -65,8 +65,9 @@ def quantize_rows_fp8_gpu(x: jax.Array, swiglu: bool = False) -> tuple[jax.Array
     if (reason := supports(x, swiglu)) is not None:
         raise ValueError(f"fp8 row quantization kernel: {reason}")
     m, k = x.shape[0], x.shape[1] // (2 if swiglu else 1)
-    # A row's registers: up to 32 a thread for 4-byte values before more warps.
-    num_warps = min(16, max(4, pl.next_power_of_2(k) // 1024))
+    # A row's registers (two arrays of it with the SwiGLU's halves): up to 32 a thread for
+    # 4-byte values before more warps.
+    num_warps = min(16, max(4, pl.next_power_of_2(k) * (2 if swiglu else 1) // 1024))
     return pl.pallas_call(
         lambda *refs: _kernel(*refs, k=k, swiglu=swiglu), grid=(m,),
         out_shape=[jax.ShapeDtypeStruct((m, k), FP8_DTYPE),
