@@ -21,8 +21,8 @@ the fly).
 Callers use `jaxinfer.ops.linear_registry.linear`, which picks an implementation for the
 call (`LinearCall`) and runs it; this module holds what they share: the product forms
 (`float_product`, `one_row_product`, `quantized_matmul_reference`), fp8 activation
-quantization (W8A8), and the bias / row-scale epilogue (`linear_epilogue`) that every
-implementation ends with.
+quantization (W8A8), the SwiGLU prologue (`swiglu_halves`), and the bias / row-scale
+epilogue (`linear_epilogue`) that every implementation ends with.
 
 Rounding: a float product is rounded to x.dtype before the row scale (as a quantized
 product always is), because XLA does not fuse the scale into the GEMM: a float32 product
