@@ -1,13 +1,14 @@
 """This step's k / v into the pages, and attention's q, from the fused projection: a Pallas
 kernel, GPU (Triton) lowering, one program per token.
 
-    write_kv_and_queries_gpu(qkv, k_pages, v_pages, md, *, prologue=None)
-        -> (q [T, Hq, D], k_pages, v_pages)
+    write_kv_and_queries_gpu(qkv, k_pages, v_pages, md, *, prologue=None, k_scale=None,
+                             v_scale=None) -> (q [T, Hq, D], k_pages, v_pages)
 
   qkv        [T, (Hq + 2 Hkv) * D]  the fused projection as the model's product gave it
                                     (heads q | k | v), q.dtype bf16 or f16
-  k_pages    [num_pages, page_size, Hkv, D] in qkv's dtype (v_pages alike), aliased to the
-             outputs: updated in place under donation
+  k_pages    [num_pages, page_size, Hkv, D] in qkv's dtype or float8_e4m3fn (an fp8 KV
+             cache: k / k_scale clipped to e4m3, `quantize_kv`; v_pages alike), aliased
+             to the outputs: updated in place under donation
   md         `AttentionMetadata`: token t goes to its sequence's page and slot
              (`token_slots`); padding tokens write nothing
   prologue   a `QKPrologue` or None: q, k and v times its row norm's 1 / rms (computed
@@ -15,12 +16,13 @@ kernel, GPU (Triton) lowering, one program per token.
              (`QKPrologue.scale_rows`, `QKPrologue.apply`), rounded where XLA's ops round
 
 Program t loads token t's heads whole ([Hq, D], [Hkv, D] twice, each head count rounded up
-to a power of two by repeating the last head, whose duplicate stores write the same
-values), with a second load of q's and k's heads with their halves swapped (RoPE's
-rotate_half, as the attention kernel's prologue does it), stores q in token order and k / v
-at the token's page row, non-finite values as 0 (`quantize_kv`). As XLA ops this took three
-kernels a layer in the Mosaic attention's steps: q's RoPE and the two k / v scatters
-(bench/NOTES.md, Ragged paged attention: One pass for the k / v write and q).
+to a power of two by repeating the last head, whose duplicate stores write the same values),
+with a second load of q's and k's heads with their halves swapped (RoPE's rotate_half, as
+the attention kernel's prologue does it), stores q in token order and k / v at the token's
+page row as the pages' dtype holds them, non-finite values as 0 (`quantize_kv`: on fp8 pages
+divided by the scale, clipped and rounded to e4m3). As XLA ops this took three kernels a
+layer in the Mosaic attention's steps: q's RoPE and the two k / v scatters (bench/NOTES.md,
+Ragged paged attention: One pass for the k / v write and q).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from jaxinfer.ops.attention import (
+    FP8_KV_DTYPE,
     AttentionMetadata,
-    finite_or_zero,
+    quantize_kv,
     token_slots,
     zero_page_tails,
 )
@@ -44,7 +47,8 @@ from jaxinfer.pallas_kernels.ragged_paged_attention_gpu import prologue_rows, sw
 
 
 def _kernel(slot_ref, *refs, num_q_heads: int, num_kv_heads: int,
-            row_norm: tuple[int, float] | None, prologue: dict | None):
+            row_norm: tuple[int, float] | None, prologue: dict | None,
+            k_scale: float | None, v_scale: float | None):
     """Token t = program 0. slot_ref [T]: the token's row of the pages viewed as
     [num_pages * page_size, Hkv, D], -1 for padding; then sum_sq_ref [T] float32 if
     row_norm (its (dim, eps): the row scale is rsqrt(sum_sq / dim + eps), `RowNorm`);
@@ -92,23 +96,23 @@ def _kernel(slot_ref, *refs, num_q_heads: int, num_kv_heads: int,
     row = jnp.full((hk.shape[0], 1), jnp.maximum(slot, 0), jnp.int32)
     keep = jnp.full(k.shape, slot >= 0)
     pl_triton.store(k_out_ref.at[row, hk[:, None], d],
-                    finite_or_zero(k.astype(k_out_ref.dtype)), mask=keep)
+                    quantize_kv(k, k_out_ref.dtype, k_scale), mask=keep)
     pl_triton.store(v_out_ref.at[row, hk[:, None], d],
-                    finite_or_zero(v.astype(v_out_ref.dtype)), mask=keep)
+                    quantize_kv(v, v_out_ref.dtype, v_scale), mask=keep)
 
 
 def supports(q, k_pages) -> bool:
     """Whether the kernel takes queries q [T, Hq, D] (the fused projection's query heads)
-    with these pages: pages in q's dtype (bf16 or f16; fp8 pages keep XLA's quantizing
-    write), D a power of two."""
+    with these pages: q bf16 or f16, pages in q's dtype or fp8 (e4m3), D a power of two."""
     D = q.shape[-1]
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and k_pages.dtype == q.dtype
-            and D >= 16 and D & (D - 1) == 0)
+    return (q.dtype in (jnp.bfloat16, jnp.float16)
+            and k_pages.dtype in (q.dtype, FP8_KV_DTYPE) and D >= 16 and D & (D - 1) == 0)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("k_scale", "v_scale"))
 def write_kv_and_queries_gpu(qkv, k_pages, v_pages, md: AttentionMetadata, *,
-                             prologue: QKPrologue | None = None):
+                             prologue: QKPrologue | None = None, k_scale: float | None = None,
+                             v_scale: float | None = None):
     """See the module docstring: -> (q [T, Hq, D], k_pages, v_pages)."""
     num_pages, page_size, Hkv, D = k_pages.shape
     T = qkv.shape[0]
@@ -116,8 +120,8 @@ def write_kv_and_queries_gpu(qkv, k_pages, v_pages, md: AttentionMetadata, *,
     Hq = heads.shape[1] - 2 * Hkv
     if not supports(jax.ShapeDtypeStruct((T, Hq, D), qkv.dtype), k_pages):
         raise ValueError(f"kv write kernel: q {qkv.dtype} head_dim {D} with pages "
-                         f"{k_pages.dtype}: pages in q's dtype (bf16 or f16), head_dim a "
-                         "power of two >= 16 required")
+                         f"{k_pages.dtype}: q bf16 or f16, pages in q's dtype or e4m3, "
+                         "head_dim a power of two >= 16 required")
     page, slot, valid = token_slots(md, T, page_size)
     slot = jnp.where(valid, page * page_size + slot, -1)  # its row of the flattened pages
     args = [slot]
@@ -135,7 +139,8 @@ def write_kv_and_queries_gpu(qkv, k_pages, v_pages, md: AttentionMetadata, *,
         _kernel, num_q_heads=Hq, num_kv_heads=Hkv,
         row_norm=None if row_norm is None else (row_norm.dim, row_norm.eps),
         prologue=None if prologue is None else dict(norm=prologue.q_norm is not None,
-                                                    eps=prologue.eps))
+                                                    eps=prologue.eps),
+        k_scale=k_scale, v_scale=v_scale)
     q, k_out, v_out = pl.pallas_call(
         kernel, grid=(T,),
         out_shape=[jax.ShapeDtypeStruct((T, Hq, D), qkv.dtype),

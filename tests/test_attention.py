@@ -521,31 +521,31 @@ def test_pallas_gpu_fuses_only_where_its_kernel_can():
 
 def test_mosaic_fuses_the_write_only_where_its_kernel_can():
     """The Mosaic entry takes the fused projection and the whole prologue (its k / v write
-    kernel applies them) where the pages are in q's dtype; with fp8 pages, or q, k, v
-    given apart, XLA splits, scales, rotates and quantizes; the write kernel refuses fp8
-    pages itself."""
+    kernel applies them) where the pages are in q's dtype or fp8; with q, k, v given
+    apart, or in batch-invariant mode, XLA splits, scales, rotates and quantizes; the
+    write kernel refuses other pages itself."""
     entry = REGISTRY["mosaic_gpu"]
     want = {"split_qkv", "row_scale", "qk_norm", "rope"}
     assert set(entry.fused(describe(256, fused=True))) == want
     assert set(entry.fused(describe(1, fused=True))) == want
-    assert entry.fused(describe(256, kv_dtype=FP8_KV_DTYPE, fused=True)) == ()
+    assert set(entry.fused(describe(256, kv_dtype=FP8_KV_DTYPE, fused=True))) == want
     assert entry.fused(describe(256)) == ()
     assert REGISTRY["mosaic_gpu_fixed"].fused(describe(256, fused=True)) == ()
     qkv = jnp.ones((2, (8 + 4) * 64), jnp.bfloat16)
-    pages = jnp.ones((40, 16, 2, 64), FP8_KV_DTYPE)
+    pages = jnp.ones((40, 16, 2, 64), jnp.float16)
     md = AttentionMetadata(*(jnp.zeros(n, jnp.int32) for n in (5, 4, (4, 8), 1)))
-    with pytest.raises(ValueError, match="kv write kernel: .*pages in q's dtype"):
+    with pytest.raises(ValueError, match="kv write kernel: .*pages in q's dtype or e4m3"):
         kv_write_gpu.write_kv_and_queries_gpu(qkv, pages, pages, md)
 
 
 @pytest.mark.parametrize("name", ["decode", "mixed", "gqa3_d64", "page_size_8",
-                                  "mqa_d128_sinks", "poison_nan"])
+                                  "mqa_d128_sinks", "poison_nan", "fp8_kv"])
 def test_kv_write_kernel_matches_oracle(name):
     """The k / v write kernel alone (interpreted): from the fused projection, q and k
     scaled, normed and rotated as the float64 oracle does to within rounding, q in token
-    order, v the scaled rows exactly, written at each live token's (page, slot), padding
-    tokens writing nothing and every other row of the pages (NaN in the poison case) as
-    it was."""
+    order, v the scaled rows exactly (on fp8 pages divided by its scale and rounded to
+    e4m3 as `quantize_kv` does), written at each live token's (page, slot), padding tokens
+    writing nothing and every other row of the pages (NaN in the poison case) as it was."""
     case = dataclasses.replace(CASES[name], dtype="bfloat16")
     b = build(case)
     rng = np.random.default_rng()
@@ -555,9 +555,11 @@ def test_kv_write_kernel_matches_oracle(name):
                            for n in ("q", "k", "v")], 1)
     md = AttentionMetadata(**{n: jnp.asarray(x) for n, x in b["md"].items()},
                            zero_tails=False)
+    page_dtype = jnp.dtype(case.kv_dtype or "bfloat16")
     q, kp, vp = kv_write_gpu.write_kv_and_queries_gpu(
-        qkv, jnp.asarray(b["k_pages"], jnp.bfloat16), jnp.asarray(b["v_pages"], jnp.bfloat16),
-        md, prologue=prologue)
+        qkv, jnp.asarray(b["k_pages"], page_dtype), jnp.asarray(b["v_pages"], page_dtype),
+        md, prologue=prologue, k_scale=case.k_scale, v_scale=case.v_scale)
+    assert kp.dtype == vp.dtype == page_dtype
     q, kp, vp = (np.asarray(x.astype(jnp.float32)) for x in (q, kp, vp))
     live = b["live_tokens"]
     tol = 2.0 ** -8 * 4
@@ -566,8 +568,11 @@ def test_kv_write_kernel_matches_oracle(name):
     k_exp, v_exp, written = expected_pages(case, seen, zero_tails=False)
     np.testing.assert_array_equal(kp[~written], k_exp[~written].astype(np.float32))
     np.testing.assert_array_equal(vp, v_exp.astype(np.float32))
-    np.testing.assert_allclose(kp[written], k_exp[written].astype(np.float32), rtol=tol,
-                               atol=tol * np.abs(seen["k"]).max())
+    # k: the prologue's rounding, then (fp8) two e4m3 steps of it, in the pages' units
+    page_tol = 2 * 2.0 ** -3 if case.kv_dtype else tol
+    k_want = k_exp[written].astype(np.float32)
+    np.testing.assert_allclose(kp[written], k_want, rtol=page_tol,
+                               atol=tol * np.abs(k_want).max())
 
 
 def test_call_description():
@@ -747,7 +752,7 @@ def test_one_token_write_into_pages_with_a_scratch_page(live, kv_dtype):
 @pytest.mark.parametrize("path,kv_dtype", [
     ("scatter", jnp.bfloat16), ("scatter", jnp.float8_e4m3fn), ("one_token", jnp.bfloat16),
     ("one_token", jnp.float8_e4m3fn), ("pallas_gpu_fused", jnp.bfloat16),
-    ("kv_write_kernel", jnp.bfloat16)])
+    ("kv_write_kernel", jnp.bfloat16), ("kv_write_kernel", jnp.float8_e4m3fn)])
 def test_pages_store_finite_values_only(path, kv_dtype):
     """Every write path stores a non-finite k/v element (NaN, +-inf) as 0 and the rest as
     the page dtype holds them: XLA's scatter, its one-token update, the Pallas GPU
@@ -778,7 +783,8 @@ def test_pages_store_finite_values_only(path, kv_dtype):
         q = jnp.asarray(rng.standard_normal((T, hq, d)), jnp.bfloat16)
         qkv = jnp.concatenate([x.reshape(T, -1) for x in (q, k, v)], axis=1)
         if path == "kv_write_kernel":
-            _, got_k, got_v = kv_write_gpu.write_kv_and_queries_gpu(qkv, k_pages, v_pages, md)
+            _, got_k, got_v = kv_write_gpu.write_kv_and_queries_gpu(
+                qkv, k_pages, v_pages, md, k_scale=scale, v_scale=scale)
         else:
             _, got_k, got_v = jax.jit(functools.partial(
                 pallas_gpu_kernel.ragged_paged_attention_gpu, sm_scale=d ** -0.5))(
@@ -900,12 +906,14 @@ def test_qk_prologue_matches_oracle(name, norm, fused, implementation, platform,
     check_prologue(PROLOGUE_CASES[name], norm, fused, implementation, platform, monkeypatch)
 
 
-@pytest.mark.parametrize("norm", [True, False], ids=["norm_rope", "rope"])
-def test_mosaic_write_kernel_prologue_matches_oracle(norm, monkeypatch):
+@pytest.mark.parametrize("name,norm", [("mixed", True), ("mixed", False),
+                                       ("one_token_fp8", True)])
+def test_mosaic_write_kernel_prologue_matches_oracle(name, norm, monkeypatch):
     """The Mosaic entry on the fused projection, interpreted: the k / v write kernel (its
-    prologue, q in token order for the attention kernel, the pages) and the attention
-    kernel after it, against the float64 oracle, as `test_qk_prologue_matches_oracle`."""
-    check_prologue(PROLOGUE_CASES["mixed"], norm, True, "mosaic_gpu", "cpu", monkeypatch)
+    prologue, q in token order for the attention kernel, the pages in q's dtype or fp8
+    with scales) and the attention kernel after it, against the float64 oracle, as
+    `test_qk_prologue_matches_oracle`."""
+    check_prologue(PROLOGUE_CASES[name], norm, True, "mosaic_gpu", "cpu", monkeypatch)
 
 
 def check_prologue(case: Case, norm: bool, fused: bool, implementation: str, platform: str,
@@ -924,9 +932,8 @@ def check_prologue(case: Case, norm: bool, fused: bool, implementation: str, pla
                         lambda *a: splits.append(1) or real_split(*a))
     with jax.default_device(jax.devices(platform)[0]), jax.default_matmul_precision("highest"):
         out, kp, vp = run(case, b, implementation, prologue, fused)
-    in_kernel = case.kv_dtype is None and (
-        (implementation == "pallas_gpu" and b["q"].shape[0] == 1)
-        or (implementation == "mosaic_gpu" and fused))
+    in_kernel = ((implementation == "pallas_gpu" and b["q"].shape[0] == 1
+                  and case.kv_dtype is None) or (implementation == "mosaic_gpu" and fused))
     assert bool(applied) != in_kernel
     assert bool(splits) == (fused and not in_kernel)
     tol = 1e-5 if case.dtype == "float32" else 2e-2

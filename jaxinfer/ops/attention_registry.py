@@ -8,9 +8,9 @@ implementation that supports it, runs the neighbouring work the implementation d
   pallas_gpu   the Pallas kernel's GPU (Triton) lowering: Hopper, steps of up to
                PALLAS_GPU_MAX_TOKENS tokens (batch-1 decode); reads the fused projection in
                place and applies the prologue itself
-  mosaic_gpu   the Mosaic GPU kernel: Hopper, any step; given the fused projection and pages
-               in q's dtype, a Pallas GPU (Triton) kernel first writes the step's k / v into
-               the pages and q ready for attention, the prologue applied
+  mosaic_gpu   the Mosaic GPU kernel: Hopper, any step; given the fused projection (pages
+               in q's dtype or fp8), a Pallas GPU (Triton) kernel first writes the step's
+               k / v into the pages and q ready for attention, the prologue applied
                (`pallas_kernels/kv_write_gpu.py`), where XLA took three kernels
   pallas_tpu   the Pallas TPU kernel: TPU
   by_sequence  XLA loops, one live sequence at a time (work: the batch's live tokens x their
@@ -93,7 +93,7 @@ def _mosaic_gpu_supports(call: AttentionCall) -> str | None:
 
 def _mosaic_gpu_fuses(call: AttentionCall) -> tuple[str, ...]:
     """Given the fused projection, the k / v write kernel splits it, applies the whole
-    prologue and writes the pages (pages in q's dtype: `kv_write_gpu.supports`)."""
+    prologue and writes the pages (in q's dtype or fp8: `kv_write_gpu.supports`)."""
     kernel = kv_write_gpu_kernel.module()
     if call.fused_qkv and kernel is not None and kernel.supports(call.query, call.pages):
         return (SPLIT_QKV, ROW_SCALE, QK_NORM, ROPE)
@@ -114,8 +114,9 @@ def _mosaic_gpu(q, k, v, k_pages, v_pages, md, *, k_scale=None, v_scale=None,
     the k / v write kernel first, which also makes q (split out, prologue applied)."""
     if k is None:
         q, k_pages, v_pages = kv_write_gpu_kernel.module().write_kv_and_queries_gpu(
-            q, k_pages, v_pages, md, prologue=prologue)
-        out = mosaic_gpu_kernel.attend_pages_mgpu(q, k_pages, v_pages, md, **kwargs)
+            q, k_pages, v_pages, md, prologue=prologue, k_scale=k_scale, v_scale=v_scale)
+        out = mosaic_gpu_kernel.attend_pages_mgpu(q, k_pages, v_pages, md, k_scale=k_scale,
+                                                  v_scale=v_scale, **kwargs)
         return out, k_pages, v_pages
     return mosaic_gpu_kernel.ragged_paged_attention_mgpu(
         q, k, v, k_pages, v_pages, md, k_scale=k_scale, v_scale=v_scale, **kwargs)
