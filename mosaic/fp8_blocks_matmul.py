@@ -38,7 +38,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxinfer.ops.platform import mosaic_interpret_params
+from jaxinfer.ops.platform import gpu_sm_count, mosaic_interpret_params
 from jaxinfer.ops.quant import FP8_DTYPE, QuantizedWeight
 
 ROWS = 64  # token rows per consumer warpgroup (the wgmma M tile)
@@ -153,12 +153,6 @@ def unsupported_reason(xq: jax.Array, w: QuantizedWeight) -> str | None:
     return None
 
 
-def num_sms() -> int:
-    """The GPU's SM count (132, an H100 / H200 SXM's, where there is no GPU: interpret mode)."""
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
-
-
 def choose_k_splits(tiles: int, steps: int, sms: int = NUM_SMS) -> int:
     """How many parts K's groups are split into: the largest divisor of `steps` that keeps
     tiles x splits within one wave of `sms` CTAs (1 where the tiles fill the GPU already)."""
@@ -177,7 +171,7 @@ def fp8_blocks_matmul_mgpu(xq: jax.Array, x_scales: jax.Array, w: QuantizedWeigh
     (m, k), n, g = xq.shape, w.shape[0], w.group_size
     steps, m_pad = k // g, -(-m // TILE_M) * TILE_M
     tiles = (n // TILE_N) * (m_pad // TILE_M)
-    splits = k_splits or choose_k_splits(tiles, steps, num_sms())
+    splits = k_splits or choose_k_splits(tiles, steps, gpu_sm_count(NUM_SMS))
     if steps % splits:
         raise ValueError(f"mosaic fp8 blocks matmul: k_splits={splits} must divide the "
                          f"{steps} groups of K")

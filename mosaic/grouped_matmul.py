@@ -101,7 +101,7 @@ from jax import lax
 from jaxinfer.mosaic import nibble_words
 from jaxinfer.ops.grouped_matmul import GROUP_ALIGN, RowGroups, in_group_order
 from jaxinfer.ops.linear import swiglu_halves
-from jaxinfer.ops.platform import mosaic_interpret_params
+from jaxinfer.ops.platform import gpu_sm_count, mosaic_interpret_params
 from jaxinfer.ops.quant import QuantizedWeight, chunk_order, dequantize, stored_order_reason
 
 ROWS = 64  # weight rows (output features) per consumer warpgroup: the wgmma M tile
@@ -206,8 +206,7 @@ def smem_bytes(cfg: Config, itemsize: int = 2, halves: int = 1, weight_bits: int
 
 
 def num_sms() -> int:
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0) or NUM_SMS) if dev.platform == "gpu" else NUM_SMS
+    return gpu_sm_count(NUM_SMS)
 
 
 def choose_config(m: int, e: int, n: int, k: int, sms: int = NUM_SMS,

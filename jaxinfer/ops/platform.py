@@ -32,6 +32,13 @@ def needs(kind: str) -> str | None:
     return None if here == kind else f"needs {kind}, this is {here}"
 
 
+def gpu_sm_count(default: int) -> int:
+    """The GPU's SM count, for kernels that size a grid to it; `default` where there is no
+    GPU (interpret mode) or it does not say."""
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or default) if dev.platform == "gpu" else default
+
+
 def mosaic_interpret_params():
     """Mosaic GPU interpret mode when there is no GPU (CPU tests); None compiles."""
     if jax.default_backend() == "gpu":
