@@ -31,6 +31,7 @@ devices. A placed model is therefore laid out for the tp of the mesh its paramet
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -143,6 +144,24 @@ def step_compiler_options(mesh: Mesh) -> dict[str, str | bool]:
     return {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
 
 
+# Messages up to this many bytes a device are summed by the peer-memory all-reduce
+# (`reduce_over`): decode-sized, 32 tokens of a 4096-wide residual in bf16. Larger ones go
+# to NCCL, which was faster from 512 KiB on (bench/NOTES.md, Sharding).
+PEER_ALL_REDUCE_BYTES = 256 * 1024
+
+
+def peer_all_reduce_capacity(mesh: Mesh) -> int:
+    """The workspace capacity (bytes) of the peer-memory all-reduce for steps on `mesh`, 0
+    where it is off: on one device, on CPUs, across processes (its workspace addresses are
+    one process's), or with JAXINFER_ALL_REDUCE=xla (XLA's all-reduce everywhere)."""
+    import os
+
+    if (mesh.size == 1 or mesh.devices.flat[0].platform != "gpu"
+            or jax.process_count() > 1 or os.environ.get("JAXINFER_ALL_REDUCE") == "xla"):
+        return 0
+    return PEER_ALL_REDUCE_BYTES
+
+
 def sharded_config(config: ModelConfig, tp: int) -> ModelConfig:
     """The config a tp-way model runs with: KV heads repeated up to tp when tp exceeds them."""
     if tp > config.num_kv_heads:
@@ -194,14 +213,51 @@ def shard_map_logical(fn, in_axes, out_axes, *args):
                          check_vma=False)(*args)
 
 
+@dataclasses.dataclass(frozen=True)
+class PeerAllReduce:
+    """What a traced step needs to sum over its mesh with our one-shot kernel
+    (`jaxinfer.mosaic.all_reduce`) instead of XLA's all-reduce: the workspace addresses
+    (a traced argument of the step, [n, 2] uint32) and its capacity in bytes."""
+
+    peers: jax.Array
+    capacity: int
+
+
+_peer_all_reduce: list[PeerAllReduce | None] = [None]
+
+
+@contextlib.contextmanager
+def peer_all_reduce(config: PeerAllReduce | None):
+    """While tracing a step: `reduce_over` sums messages that fit over the whole mesh with
+    the peer-memory kernel (None: XLA's all-reduce everywhere)."""
+    _peer_all_reduce.append(config)
+    try:
+        yield
+    finally:
+        _peer_all_reduce.pop()
+
+
 def reduce_over(mesh_axes_logical: tuple[str, ...], x):
-    """psum of x over the mesh axes the logical axes map to (inside shard_map_logical)."""
+    """psum of x over the mesh axes the logical axes map to (inside shard_map_logical).
+
+    The one place that picks the all-reduce: our one-shot peer-memory kernel where a step
+    enabled it (`peer_all_reduce`) and the sum is over every device of the mesh along one
+    axis, of a message it takes (up to its capacity: decode-sized); XLA's (NCCL) else."""
     mesh = current_mesh()
     if mesh is None:
         return x
     axes = tuple(a for name in mesh_axes_logical
                  if (a := LOGICAL_AXIS_RULES[name]) is not None and mesh_axis_size(mesh, a) > 1)
-    return jax.lax.psum(x, axes) if axes else x
+    if not axes:
+        return x
+    peer = _peer_all_reduce[-1]
+    if peer is not None and len(axes) == 1 and mesh.shape[axes[0]] == mesh.size:
+        from jaxinfer.mosaic import all_reduce
+
+        if all_reduce.supports(x.shape, x.dtype, peer.capacity):
+            return all_reduce.all_reduce_sum(x, peer.peers, axis_name=axes[0],
+                                             capacity=peer.capacity)
+    return jax.lax.psum(x, axes)
 
 
 def shard_index(logical: str) -> jax.Array | int:

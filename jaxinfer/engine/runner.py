@@ -37,7 +37,14 @@ from jaxinfer.models import Decoder
 from jaxinfer.ops.attention import KV_PAGES_AXES, AttentionMetadata
 from jaxinfer.ops.kernels import import_platform_kernels
 from jaxinfer.ops.registry import batch_invariant_mode, invariant_compiler_options
-from jaxinfer.sharding import MeshSpec, logical_to_mesh, step_compiler_options
+from jaxinfer.sharding import (
+    MeshSpec,
+    PeerAllReduce,
+    logical_to_mesh,
+    peer_all_reduce,
+    peer_all_reduce_capacity,
+    step_compiler_options,
+)
 
 # The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page
 # table a batch takes (`ModelRunner.step_shape`): narrower tables were more programs to
@@ -182,6 +189,13 @@ class ModelRunner:
         # may take as its input tokens (`StepInputs.prev_rows`): it stays on the device.
         self.prev_slots = self.max_seq_slots or 1
         replicated = NamedSharding(self.mesh, P())
+        # The peer-memory all-reduce (`jaxinfer.sharding.reduce_over`): its workspace's
+        # addresses are a step argument ([n, 2] uint32; [1, 2] where it is off), the
+        # buffers (1 MiB a device) are allocated on first use.
+        self.peer_capacity = peer_all_reduce_capacity(self.mesh)
+        self._peers_aval = jax.ShapeDtypeStruct(
+            (self.mesh.size if self.peer_capacity else 1, 2), jnp.uint32, sharding=replicated)
+        self._peer_workspace = None
         self._prev_aval = jax.ShapeDtypeStruct((self.prev_slots,), jnp.int32,
                                                sharding=replicated)
         self._prev_tokens = None
@@ -191,7 +205,7 @@ class ModelRunner:
         self._logits_step = jax.jit(self._logits, static_argnames=("layout",), **jit)
         # prev_slots: the size of a draw's last tokens, which no argument of it shows.
         identity = repr((c, self.eos_token_ids, page_size, num_pages, jit["compiler_options"],
-                         batch_invariant, self.prev_slots,
+                         batch_invariant, self.prev_slots, self.peer_capacity,
                          self.mesh.axis_names, self.mesh.devices.shape,
                          [d.id for d in self.mesh.devices.flat],
                          [(x.shape, x.dtype, x.sharding) for x in self.state_avals],
@@ -223,6 +237,25 @@ class ModelRunner:
     def kv_cache(self, pools: list):
         self._kv_cache = pools
 
+    @property
+    def peers(self) -> jax.Array:
+        """The step argument of the peer-memory all-reduce: its workspace's addresses."""
+        if self._peer_workspace is None:
+            if self.peer_capacity:
+                from jaxinfer.mosaic.all_reduce import make_workspace
+
+                self._peer_workspace = make_workspace(self.mesh, self.peer_capacity)
+                assert self._peer_workspace.capacity == self.peer_capacity
+                self._peer_workspace_peers = self._peer_workspace.peers
+            else:
+                self._peer_workspace = ()
+                self._peer_workspace_peers = jax.device_put(
+                    np.zeros((1, 2), np.uint32), self._peers_aval.sharding)
+        return self._peer_workspace_peers
+
+    def _peer_config(self, peers) -> PeerAllReduce | None:
+        return PeerAllReduce(peers, self.peer_capacity) if self.peer_capacity else None
+
     def allocate_kv_cache(self):
         """Allocates the KV pages (zeros) unless they are."""
         if self._kv_cache is None:
@@ -235,11 +268,11 @@ class ModelRunner:
                 return self._draw_step.trace(*args, layout=layout,
                                              with_logprobs=shape.with_logprobs,
                                              filtered=shape.filtered).lower()
-            kv_cache, state_leaves, words, *prev_tokens = args
+            kv_cache, state_leaves, words, peers, *prev_tokens = args
             if shape.kind == "logits":
-                return self._logits_step.trace(kv_cache, state_leaves, words,
+                return self._logits_step.trace(kv_cache, state_leaves, words, peers,
                                                layout=layout).lower()
-            return self._sample_step.trace(kv_cache, state_leaves, words, *prev_tokens,
+            return self._sample_step.trace(kv_cache, state_leaves, words, peers, *prev_tokens,
                                            layout=layout, num_steps=shape.num_steps,
                                            with_logprobs=shape.with_logprobs,
                                            filtered=shape.filtered).lower()
@@ -255,8 +288,8 @@ class ModelRunner:
                                           sharding=self._prev_aval.sharding)
             return logits, words
         if shape.kind == "logits":
-            return self.kv_avals, weights, words
-        return self.kv_avals, weights, words, self._prev_aval
+            return self.kv_avals, weights, words, self._peers_aval
+        return self.kv_avals, weights, words, self._peers_aval, self._prev_aval
 
     @staticmethod
     def packed(shape: StepShape, inputs: StepInputs):
@@ -288,14 +321,26 @@ class ModelRunner:
     def _model(self, state_leaves) -> Decoder:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.state_treedef, state_leaves))
 
-    def _logits(self, kv_cache, state_leaves, words, *, layout: PackedLayout):
+    def _logits(self, kv_cache, state_leaves, words, peers, *, layout: PackedLayout):
         inputs: StepInputs = layout.unpack(words)
         model = self._model(state_leaves)
-        hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, inputs.md)
-        return model.logits(hidden), kv_cache
+        with peer_all_reduce(self._peer_config(peers)):
+            hidden, kv_cache = model(inputs.token_ids, inputs.positions, kv_cache, inputs.md)
+            return model.logits(hidden), kv_cache
 
-    def _sample(self, kv_cache, state_leaves, words, prev_tokens, *, layout: PackedLayout,
-                num_steps: int, with_logprobs: bool, filtered: bool = False):
+    def _sample(self, kv_cache, state_leaves, words, peers, prev_tokens, *,
+                layout: PackedLayout, num_steps: int, with_logprobs: bool,
+                filtered: bool = False):
+        """`_sample_body`, its model's sums over the mesh with the peer-memory all-reduce
+        where it is on (peers: its workspace's addresses, `peers`)."""
+        with peer_all_reduce(self._peer_config(peers)):
+            return self._sample_body(kv_cache, state_leaves, words, prev_tokens,
+                                     layout=layout, num_steps=num_steps,
+                                     with_logprobs=with_logprobs, filtered=filtered)
+
+    def _sample_body(self, kv_cache, state_leaves, words, prev_tokens, *,
+                     layout: PackedLayout, num_steps: int, with_logprobs: bool,
+                     filtered: bool = False):
         """One forward + sample, or num_steps of them for a decode-only batch (one token per
         sequence) in a while loop that exits once every sequence has finished. prev_tokens
         [prev_slots] int32: the previous sample step's last token per row, taken where
@@ -608,7 +653,7 @@ class ModelRunner:
             # Arguments in this order: the KV pages (allocated on first use), then the
             # weights (waited for), then the program (waited for, or compiled) runs.
             args = [self.kv_cache, self.state_leaves, multihost.to_global(
-                self.layout(shape).pack(self.packed(shape, inputs)), self.mesh)]
+                self.layout(shape).pack(self.packed(shape, inputs)), self.mesh), self.peers]
             if kind == "sample":
                 if self._prev_tokens is None:
                     self._prev_tokens = jax.device_put(np.zeros(self.prev_slots, np.int32),

@@ -1,0 +1,267 @@
+"""One-shot all-reduce (sum) over the GPUs of one host, as a Mosaic GPU kernel.
+
+For the small activations a tensor-parallel decode step reduces after each row-split
+projection ([T, hidden] in bf16: 8 KiB at T = 1, 256 KiB at T = 32), where XLA's NCCL
+all-reduce costs 15-20 us of kernel time a call plus the hand-off to its own stream
+(bench/NOTES.md, Sharding).
+
+Contract (`all_reduce_sum`): called per device inside `jax.shard_map` over the mesh axis
+`axis_name` of n devices, all driven by one process. x: any shape, bf16 / f16 / f32, a
+size that is a multiple of one tile (128 lanes x 16 bytes: 1024 bf16 elements) and at
+most `Workspace.capacity` bytes. peers: [n, 2] uint32, the device address of every
+device's workspace as (low, high) words (`Workspace.peers`, the same on every device).
+Returns the sum of every device's x, same shape and dtype, summed in float32 in device
+order 0 .. n-1 and rounded once, so every device gets the same bits.
+
+The workspace (`Workspace`): one buffer a device, allocated once and kept by the caller
+for as long as it runs steps, written only by this kernel (through raw addresses: XLA
+does not see it, so it neither copies it nor hands its memory to anything else). Layout
+(bytes): flags [BLOCKS, n + 1] uint32 (flags[b, d]: the last epoch CTA b of device d
+announced here; flags[b, n]: CTA b's own call counter), padded to 256, then
+stage [2, n, capacity / itemsize] in x's dtype (stage[s, d]: device d's x of the calls
+whose epoch % 2 == s). Peers reach it through the GPUs' peer access (one process: unified
+addresses), so the kernel needs no collective metadata from XLA: no barrier kernel, no
+exchange of addresses a run, and it runs inside the step's CUDA graph like any kernel.
+
+Algorithm (push, one shot):
+- A grid of `BLOCKS` CTAs (one warpgroup each), the same count for every call; CTA b takes
+  tiles b, b + BLOCKS, ... of x read flat, so in every call on every device a tile
+  belongs to the same CTA.
+- CTA b numbers its calls: epoch e = its counter + 1. Every device runs the same sequence
+  of calls, so CTA b's counters stay equal across devices.
+- For each of its tiles CTA b loads x into registers and stores it into stage[e % 2, me]
+  of every device (its own included): plain 16-byte stores over NVLink.
+- After a warpgroup barrier one thread stores e into flags[b, me] of every device
+  (release, system scope), then spins (acquire) until its own flags[b, d] >= e for every
+  d: the n rows of its tiles have arrived.
+- It sums the n rows of its tiles in device order, in float32, stores y, and counter = e.
+Why two stages: a device can be at most one call ahead of a peer's CTA b (its call e + 1
+cannot end before the peer's CTA b has pushed its call-(e + 1) rows, which that CTA does
+after reading its call-e rows), so call e + 1 writes the stage call e may still read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, memref
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LANES = 128  # one warpgroup
+LANE_BYTES = 16  # one vector load or store a lane
+BLOCKS = 16  # CTAs of every call (fixed: a tile keeps its CTA, see the module doc)
+FLAGS_BYTES = 256  # room for the flags of up to 16 CTAs x 3 words; stage starts here
+
+
+def tile_elements(dtype) -> int:
+    """Elements in one tile of x: 128 lanes x 16 bytes."""
+    return LANES * LANE_BYTES // jnp.dtype(dtype).itemsize
+
+
+def flags_bytes(n: int) -> int:
+    return -(-BLOCKS * (n + 1) * 4 // FLAGS_BYTES) * FLAGS_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+    """Every device's all-reduce buffer, and their addresses.
+
+    buffers: per device (in the mesh's device order) [flags + 2 * n * capacity] uint8,
+      zeros at first; keep them alive while steps run. peers: [n, 2] uint32 replicated
+      over the mesh, the device address of each buffer as (low, high) words (pass it into
+      a step as an argument: the addresses are this process's, so they must not be
+      compiled into a cached program)."""
+
+    buffers: tuple[jax.Array, ...]
+    peers: jax.Array
+    capacity: int  # bytes of one device's x a call may reduce
+
+
+def make_workspace(mesh, capacity: int) -> Workspace:
+    """Allocates the workspace for all-reduces over every device of `mesh` (its devices in
+    order are the reduction's 0 .. n-1) of messages up to `capacity` bytes (rounded up to
+    a multiple of 16 KiB). Needs GPUs of this process with peer access to each other."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = list(mesh.devices.flat)
+    n = len(devices)
+    capacity = -(-capacity // 16384) * 16384
+    per_device = flags_bytes(n) + 2 * n * capacity
+    buffers = tuple(jax.device_put(np.zeros(per_device, np.uint8), d) for d in devices)
+    # [n, 2] uint32 (low, high words): int64 arrays need jax's x64 mode.
+    table = np.array([b.unsafe_buffer_pointer() for b in buffers], np.uint64)
+    table = np.stack([table & 0xFFFFFFFF, table >> 32], axis=1).astype(np.uint32)
+    peers = jax.device_put(table, NamedSharding(mesh, P()))
+    return Workspace(buffers, peers, capacity)
+
+
+def supports(x_shape, dtype, capacity: int) -> bool:
+    """Whether `all_reduce_sum` takes an x of this shape and dtype."""
+    size = math.prod(x_shape)
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                 jnp.dtype(jnp.float32))
+            and size % tile_elements(dtype) == 0
+            and 0 < size * jnp.dtype(dtype).itemsize <= capacity)
+
+
+# MLIR helpers, run inside `plgpu.inline_mgpu` bodies (per thread of the warpgroup).
+
+def _i32(v: int):
+    return mgpu.utils.c(v, ir.IntegerType.get_signless(32))
+
+
+def _scalar(fa) -> ir.Value:
+    """The i32 value of a scalar argument of an inline_mgpu body."""
+    return fa.registers.item()
+
+
+def _address(peers_ref, device, byte_offset) -> ir.Value:
+    """A generic pointer to `byte_offset` (i32) bytes into `device`'s workspace."""
+    i64 = ir.IntegerType.get_signless(64)
+    index = ir.IndexType.get()
+    row = (mgpu.utils.c(device, index) if isinstance(device, int)
+           else arith.index_cast(index, device))
+    low, high = (arith.extui(i64, memref.load(peers_ref, [row, mgpu.utils.c(k, index)]))
+                 for k in (0, 1))
+    base = arith.ori(low, arith.shli(high, mgpu.utils.c(32, i64)))
+    address = arith.addi(base, arith.extui(i64, byte_offset))
+    return llvm.inttoptr(llvm.PointerType.get(), address)
+
+
+def _flag(peers_ref, device, n: int, block, slot) -> ir.Value:
+    """Address of flags[block, slot] in `device`'s workspace (slot n: the counter)."""
+    offset = arith.muli(arith.addi(arith.muli(block, _i32(n + 1)), slot), _i32(4))
+    return _address(peers_ref, device, offset)
+
+
+def _epoch(peers_ref, me, n: int, block) -> ir.Value:
+    """This CTA's epoch: its counter + 1."""
+    i32 = ir.IntegerType.get_signless(32)
+    count = mgpu.utils.inline_ptx("ld.relaxed.gpu.global.u32 $0, [$1];",
+                                  _flag(peers_ref, me, n, block, _i32(n)),
+                                  result_types=i32, has_side_effects=True)
+    return arith.addi(count, _i32(1))
+
+
+def _stage_ref(peers_ref, device, me_row, epoch, tile_index, *, n, row_bytes, tile, dtype):
+    """A [tile] memref over stage[epoch % 2, me_row, tile_index] of `device`'s workspace."""
+    parity = arith.andi(epoch, _i32(1))
+    row = arith.addi(arith.muli(parity, _i32(n)), me_row)
+    offset = arith.addi(
+        _i32(flags_bytes(n)),
+        arith.addi(arith.muli(row, _i32(row_bytes)),
+                   arith.muli(tile_index, _i32(tile * jnp.dtype(dtype).itemsize))))
+    ty = ir.MemRefType.get((tile,), mgpu.utils.dtype_to_ir_type(dtype))
+    return mgpu.utils.ptr_as_memref(_address(peers_ref, device, offset), ty)
+
+
+@functools.partial(jax.jit, static_argnames=("axis_name", "capacity"))
+def all_reduce_sum(x: jax.Array, peers: jax.Array, *, axis_name: str,
+                   capacity: int) -> jax.Array:
+    """Sum of x over the devices of mesh axis `axis_name` (inside shard_map); see the module
+    doc for the contract. peers: `Workspace.peers`; capacity: `Workspace.capacity`."""
+    n = lax.axis_size(axis_name)
+    if not supports(x.shape, x.dtype, capacity):
+        raise ValueError(f"all_reduce_sum: x {x.shape} {x.dtype}: needs bf16 / f16 / f32, a "
+                         f"size that is a multiple of {tile_elements(x.dtype)} and at most "
+                         f"{capacity} bytes")
+    size = math.prod(x.shape)
+    dtype = jnp.dtype(x.dtype)
+    tile = tile_elements(dtype)
+    tiles = size // tile
+    vec = LANE_BYTES // dtype.itemsize
+    layout = plgpu.Layout.WG_STRIDED((tile,), vec_size=vec)
+    scalar = plgpu.Layout.WG_SPLAT
+    stage = functools.partial(_stage_ref, n=n, row_bytes=capacity, tile=tile, dtype=dtype)
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), scalar, scalar, scalar))
+    def push(ctx, value, peers_ref, me, block, t):
+        """value -> stage[e % 2, me, t] of every device."""
+        del ctx
+        me, block, t = _scalar(me), _scalar(block), _scalar(t)
+        epoch = _epoch(peers_ref, me, n, block)
+        for d in range(n):
+            value.store_untiled(stage(peers_ref, d, me, epoch, t))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar))
+    def announce_and_wait(ctx, peers_ref, me, block):
+        """flags[b, me] = e on every device, then wait for flags[b, d] >= e here."""
+        del ctx
+        me, block = _scalar(me), _scalar(block)
+        epoch = _epoch(peers_ref, me, n, block)
+        mgpu.utils.warpgroup_barrier()  # every thread's pushes are issued
+        with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
+            for d in range(n):
+                mgpu.utils.inline_ptx("st.release.sys.global.u32 [$0], $1;",
+                                      _flag(peers_ref, d, n, block, me), epoch,
+                                      has_side_effects=True)
+        for d in range(n):  # (each wait: one thread spins, then a warpgroup barrier)
+            flag = mgpu.utils.SemaphoreRef(_flag(peers_ref, me, n, block, _i32(d)))
+            flag.wait(epoch, decrement=False)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar, scalar),
+                       return_type=plgpu.ShapeDtypeStruct((tile,), jnp.float32, layout))
+    def gather_sum(ctx, peers_ref, me, block, t):
+        """sum over d of stage[e % 2, d, t] here, in float32, in device order."""
+        del ctx
+        me, block, t = _scalar(me), _scalar(block), _scalar(t)
+        epoch = _epoch(peers_ref, me, n, block)
+        acc = None
+        for d in range(n):
+            row = mgpu.FragmentedArray.load_strided(
+                stage(peers_ref, me, _i32(d), epoch, t), vec_size=vec)
+            row = row.astype(ir.F32Type.get())
+            acc = row if acc is None else acc + row
+        return acc
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar))
+    def advance(ctx, peers_ref, me, block):
+        """counter = e (after every thread has read it)."""
+        del ctx
+        me, block = _scalar(me), _scalar(block)
+        epoch = _epoch(peers_ref, me, n, block)
+        mgpu.utils.warpgroup_barrier()
+        with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
+            mgpu.utils.inline_ptx("st.relaxed.gpu.global.u32 [$0], $1;",
+                                  _flag(peers_ref, me, n, block, _i32(n)), epoch,
+                                  has_side_effects=True)
+
+    def kernel(x_ref, peers_ref, me_ref, y_ref):
+        me = me_ref[0]
+        b = lax.axis_index("blocks").astype(jnp.int32)
+
+        @plgpu.nd_loop((tiles,), collective_axes="blocks")
+        def _push(info):
+            (t,) = info.index
+            value = plgpu.layout_cast(x_ref[pl.ds(t * tile, tile)], layout)
+            push(value, peers_ref, me, b, t.astype(jnp.int32))
+
+        announce_and_wait(peers_ref, me, b)
+
+        @plgpu.nd_loop((tiles,), collective_axes="blocks")
+        def _reduce(info):
+            (t,) = info.index
+            acc = gather_sum(peers_ref, me, b, t.astype(jnp.int32))
+            y_ref[pl.ds(t * tile, tile)] = acc.astype(y_ref.dtype)
+
+        advance(peers_ref, me, b)
+
+    y = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((size,), dtype),
+        grid=(BLOCKS,),
+        grid_names=("blocks",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(x.reshape(size), peers, lax.axis_index(axis_name).astype(jnp.int32).reshape(1))
+    return y.reshape(x.shape)
