@@ -145,21 +145,25 @@ def step_compiler_options(mesh: Mesh) -> dict[str, str | bool]:
 
 
 # Messages up to this many bytes a device are summed by the peer-memory all-reduce
-# (`reduce_over`): decode-sized, 32 tokens of a 4096-wide residual in bf16. Larger ones go
-# to NCCL, which was faster from 512 KiB on (bench/NOTES.md, Sharding).
-PEER_ALL_REDUCE_BYTES = 256 * 1024
+# (`reduce_over`): decode-sized, 64 tokens of a 4096-wide residual in bf16, where it was
+# faster than NCCL at every size measured (bench/NOTES.md, Sharding). Larger ones (prefill)
+# go to NCCL.
+PEER_ALL_REDUCE_BYTES = 512 * 1024
 
 
 def peer_all_reduce_capacity(mesh: Mesh) -> int:
     """The workspace capacity (bytes) of the peer-memory all-reduce for steps on `mesh`, 0
     where it is off: on one device, on CPUs, across processes (its workspace addresses are
-    one process's), or with JAXINFER_ALL_REDUCE=xla (XLA's all-reduce everywhere)."""
+    one process's), or with JAXINFER_ALL_REDUCE=xla (XLA's all-reduce everywhere).
+    JAXINFER_ALL_REDUCE=BYTES sets the largest message it takes instead of
+    PEER_ALL_REDUCE_BYTES."""
     import os
 
+    setting = os.environ.get("JAXINFER_ALL_REDUCE", "")
     if (mesh.size == 1 or mesh.devices.flat[0].platform != "gpu"
-            or jax.process_count() > 1 or os.environ.get("JAXINFER_ALL_REDUCE") == "xla"):
+            or jax.process_count() > 1 or setting == "xla"):
         return 0
-    return PEER_ALL_REDUCE_BYTES
+    return int(setting) if setting.isdigit() else PEER_ALL_REDUCE_BYTES
 
 
 def sharded_config(config: ModelConfig, tp: int) -> ModelConfig:

@@ -29,12 +29,14 @@ Algorithm (push, one shot):
   belongs to the same CTA.
 - CTA b numbers its calls: epoch e = its counter + 1. Every device runs the same sequence
   of calls, so CTA b's counters stay equal across devices.
-- For each of its tiles CTA b loads x into registers and stores it into stage[e % 2, me]
-  of every device (its own included): plain 16-byte stores over NVLink.
+- CTA b loads all its tiles of x into registers (every load issued before the first
+  store: the step is latency-bound, not bandwidth-bound), then stores each into
+  stage[e % 2, me] of every device (its own included): plain 16-byte stores over NVLink.
 - After a warpgroup barrier one thread stores e into flags[b, me] of every device
   (release, system scope), then spins (acquire) until its own flags[b, d] >= e for every
   d: the n rows of its tiles have arrived.
-- It sums the n rows of its tiles in device order, in float32, stores y, and counter = e.
+- It loads the n rows of all its tiles, sums them in device order in float32, stores y,
+  and counter = e.
 Why two stages: a device can be at most one call ahead of a peer's CTA b (its call e + 1
 cannot end before the peer's CTA b has pushed its call-(e + 1) rows, which that CTA does
 after reading its call-e rows), so call e + 1 writes the stage call e may still read.
@@ -58,8 +60,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LANES = 128  # one warpgroup
 LANE_BYTES = 16  # one vector load or store a lane
-BLOCKS = 16  # CTAs of every call (fixed: a tile keeps its CTA, see the module doc)
-FLAGS_BYTES = 256  # room for the flags of up to 16 CTAs x 3 words; stage starts here
+BLOCKS = 32  # CTAs of every call (fixed: a tile keeps its CTA, see the module doc)
+FLAGS_BYTES = 256  # the stage starts at a multiple of this past the flags
 
 
 def tile_elements(dtype) -> int:
@@ -144,25 +146,10 @@ def _flag(peers_ref, device, n: int, block, slot) -> ir.Value:
     return _address(peers_ref, device, offset)
 
 
-def _epoch(peers_ref, me, n: int, block) -> ir.Value:
-    """This CTA's epoch: its counter + 1."""
-    i32 = ir.IntegerType.get_signless(32)
-    count = mgpu.utils.inline_ptx("ld.relaxed.gpu.global.u32 $0, [$1];",
-                                  _flag(peers_ref, me, n, block, _i32(n)),
-                                  result_types=i32, has_side_effects=True)
-    return arith.addi(count, _i32(1))
-
-
-def _stage_ref(peers_ref, device, me_row, epoch, tile_index, *, n, row_bytes, tile, dtype):
-    """A [tile] memref over stage[epoch % 2, me_row, tile_index] of `device`'s workspace."""
-    parity = arith.andi(epoch, _i32(1))
-    row = arith.addi(arith.muli(parity, _i32(n)), me_row)
-    offset = arith.addi(
-        _i32(flags_bytes(n)),
-        arith.addi(arith.muli(row, _i32(row_bytes)),
-                   arith.muli(tile_index, _i32(tile * jnp.dtype(dtype).itemsize))))
-    ty = ir.MemRefType.get((tile,), mgpu.utils.dtype_to_ir_type(dtype))
-    return mgpu.utils.ptr_as_memref(_address(peers_ref, device, offset), ty)
+def _load_u32(address) -> ir.Value:
+    return mgpu.utils.inline_ptx("ld.relaxed.gpu.global.u32 $0, [$1];", address,
+                                 result_types=ir.IntegerType.get_signless(32),
+                                 has_side_effects=True)
 
 
 @functools.partial(jax.jit, static_argnames=("axis_name", "capacity"))
@@ -178,27 +165,37 @@ def all_reduce_sum(x: jax.Array, peers: jax.Array, *, axis_name: str,
     size = math.prod(x.shape)
     dtype = jnp.dtype(x.dtype)
     tile = tile_elements(dtype)
+    tile_bytes = LANES * LANE_BYTES
     tiles = size // tile
+    per_cta = -(-tiles // BLOCKS)  # tiles b, b + BLOCKS, ... of CTA b
+    guarded = tiles % BLOCKS != 0  # some CTAs have one tile fewer
     vec = LANE_BYTES // dtype.itemsize
     layout = plgpu.Layout.WG_STRIDED((tile,), vec_size=vec)
     scalar = plgpu.Layout.WG_SPLAT
-    stage = functools.partial(_stage_ref, n=n, row_bytes=capacity, tile=tile, dtype=dtype)
+    def tile_ref(peers_ref, device, byte_offset):
+        ty = ir.MemRefType.get((tile,), mgpu.utils.dtype_to_ir_type(dtype))
+        return mgpu.utils.ptr_as_memref(_address(peers_ref, device, byte_offset), ty)
 
-    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), scalar, scalar, scalar))
-    def push(ctx, value, peers_ref, me, block, t):
-        """value -> stage[e % 2, me, t] of every device."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, scalar))
+    def read_epoch(ctx, peers_ref, me, block):
+        """This CTA's epoch: its counter + 1."""
         del ctx
-        me, block, t = _scalar(me), _scalar(block), _scalar(t)
-        epoch = _epoch(peers_ref, me, n, block)
-        for d in range(n):
-            value.store_untiled(stage(peers_ref, d, me, epoch, t))
+        count = _load_u32(_flag(peers_ref, _scalar(me), n, _scalar(block), _i32(n)))
+        return mgpu.FragmentedArray.splat(arith.addi(count, _i32(1)), (), is_signed=True)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar))
-    def announce_and_wait(ctx, peers_ref, me, block):
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType(), scalar))
+    def push(ctx, value, peers_ref, offset):
+        """value -> `offset` bytes into every device's workspace."""
+        del ctx
+        for d in range(n):
+            value.store_untiled(tile_ref(peers_ref, d, _scalar(offset)))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar, scalar))
+    def announce_and_wait(ctx, peers_ref, me, block, epoch):
         """flags[b, me] = e on every device, then wait for flags[b, d] >= e here."""
         del ctx
-        me, block = _scalar(me), _scalar(block)
-        epoch = _epoch(peers_ref, me, n, block)
+        me, block, epoch = _scalar(me), _scalar(block), _scalar(epoch)
         mgpu.utils.warpgroup_barrier()  # every thread's pushes are issued
         with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
             for d in range(n):
@@ -209,27 +206,26 @@ def all_reduce_sum(x: jax.Array, peers: jax.Array, *, axis_name: str,
             flag = mgpu.utils.SemaphoreRef(_flag(peers_ref, me, n, block, _i32(d)))
             flag.wait(epoch, decrement=False)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar, scalar),
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar),
                        return_type=plgpu.ShapeDtypeStruct((tile,), jnp.float32, layout))
-    def gather_sum(ctx, peers_ref, me, block, t):
-        """sum over d of stage[e % 2, d, t] here, in float32, in device order."""
+    def gather_sum(ctx, peers_ref, me, offset):
+        """The sum over d of the tile `offset` bytes into row d of this device's stage, in
+        float32, in device order."""
         del ctx
-        me, block, t = _scalar(me), _scalar(block), _scalar(t)
-        epoch = _epoch(peers_ref, me, n, block)
-        acc = None
-        for d in range(n):
-            row = mgpu.FragmentedArray.load_strided(
-                stage(peers_ref, me, _i32(d), epoch, t), vec_size=vec)
-            row = row.astype(ir.F32Type.get())
-            acc = row if acc is None else acc + row
+        me, offset = _scalar(me), _scalar(offset)
+        rows = [mgpu.FragmentedArray.load_strided(
+            tile_ref(peers_ref, me, arith.addi(offset, _i32(d * capacity))), vec_size=vec)
+            for d in range(n)]  # every load issued before the first add
+        acc = rows[0].astype(ir.F32Type.get())
+        for row in rows[1:]:
+            acc = acc + row.astype(ir.F32Type.get())
         return acc
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar))
-    def advance(ctx, peers_ref, me, block):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar, scalar))
+    def advance(ctx, peers_ref, me, block, epoch):
         """counter = e (after every thread has read it)."""
         del ctx
-        me, block = _scalar(me), _scalar(block)
-        epoch = _epoch(peers_ref, me, n, block)
+        me, block, epoch = _scalar(me), _scalar(block), _scalar(epoch)
         mgpu.utils.warpgroup_barrier()
         with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
             mgpu.utils.inline_ptx("st.relaxed.gpu.global.u32 [$0], $1;",
@@ -239,22 +235,33 @@ def all_reduce_sum(x: jax.Array, peers: jax.Array, *, axis_name: str,
     def kernel(x_ref, peers_ref, me_ref, y_ref):
         me = me_ref[0]
         b = lax.axis_index("blocks").astype(jnp.int32)
+        epoch = read_epoch(peers_ref, me, b)
+        # Byte offset of stage[e % 2, 0, 0] in a workspace.
+        stage = flags_bytes(n) + lax.rem(epoch, 2) * (n * capacity)
+        # This CTA's tiles; past the last one (guarded) it reads the last again and
+        # writes nothing.
+        ts = [b + k * BLOCKS for k in range(per_cta)]
+        valid = [t < tiles for t in ts]
+        ts = [jnp.minimum(t, tiles - 1) for t in ts] if guarded else ts
+        values = [plgpu.layout_cast(x_ref[pl.ds(t * tile, tile)], layout) for t in ts]
+        for t, ok, value in zip(ts, valid, values, strict=True):
+            store = functools.partial(push, value, peers_ref,
+                                      stage + me * capacity + t * tile_bytes)
+            if guarded:
+                pl.when(ok)(store)
+            else:
+                store()
+        announce_and_wait(peers_ref, me, b, epoch)
+        sums = [gather_sum(peers_ref, me, stage + t * tile_bytes) for t in ts]
+        for t, ok, acc in zip(ts, valid, sums, strict=True):
+            def write(t=t, acc=acc):
+                y_ref[pl.ds(t * tile, tile)] = acc.astype(y_ref.dtype)
 
-        @plgpu.nd_loop((tiles,), collective_axes="blocks")
-        def _push(info):
-            (t,) = info.index
-            value = plgpu.layout_cast(x_ref[pl.ds(t * tile, tile)], layout)
-            push(value, peers_ref, me, b, t.astype(jnp.int32))
-
-        announce_and_wait(peers_ref, me, b)
-
-        @plgpu.nd_loop((tiles,), collective_axes="blocks")
-        def _reduce(info):
-            (t,) = info.index
-            acc = gather_sum(peers_ref, me, b, t.astype(jnp.int32))
-            y_ref[pl.ds(t * tile, tile)] = acc.astype(y_ref.dtype)
-
-        advance(peers_ref, me, b)
+            if guarded:
+                pl.when(ok)(write)
+            else:
+                write()
+        advance(peers_ref, me, b, epoch)
 
     y = plgpu.kernel(
         kernel,

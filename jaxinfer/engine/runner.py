@@ -191,7 +191,7 @@ class ModelRunner:
         replicated = NamedSharding(self.mesh, P())
         # The peer-memory all-reduce (`jaxinfer.sharding.reduce_over`): its workspace's
         # addresses are a step argument ([n, 2] uint32; [1, 2] where it is off), the
-        # buffers (1 MiB a device) are allocated on first use.
+        # buffers (2 MiB a device on 2 GPUs) are allocated on first use.
         self.peer_capacity = peer_all_reduce_capacity(self.mesh)
         self._peers_aval = jax.ShapeDtypeStruct(
             (self.mesh.size if self.peer_capacity else 1, 2), jnp.uint32, sharding=replicated)
