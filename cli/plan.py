@@ -9,7 +9,14 @@ import json
 import click
 
 from jaxinfer.engine.defaults import ACCELERATOR_DEFAULTS
-from jaxinfer.loading.plan import DEFAULT_MEMORY_UTILIZATION, GiB, model_tensors, plan_memory
+from jaxinfer.errors import JaxinferError
+from jaxinfer.loading.plan import (
+    DEFAULT_MEMORY_UTILIZATION,
+    GiB,
+    model_tensors,
+    plan_memory,
+    suggest_mesh,
+)
 from jaxinfer.sharding import MeshSpec
 
 
@@ -19,6 +26,9 @@ from jaxinfer.sharding import MeshSpec
                    "gpt-oss-20b, tiny, tiny-moe) or a checkpoint (converted dir, HF dir, .gguf).")
 @click.option("--mesh", default=None, metavar="SPEC",
               help="tp=N, ep=N, dp=N, e.g. tp=2,ep=4 (default: one device).")
+@click.option("--gpus", default=None, type=click.IntRange(min=1),
+              help="Instead of --mesh: suggest a layout of this many devices (the fewest a "
+                   "replica fits on, the rest as dp replicas) and plan it.")
 @click.option("--hbm-gb", required=True, type=click.FloatRange(min=0, min_open=True),
               help="Memory per device in GiB (2^30 bytes), e.g. 141 for an H200.")
 @click.option("--context", default=None, type=click.IntRange(min=1),
@@ -44,17 +54,25 @@ from jaxinfer.sharding import MeshSpec
               show_default=True, type=click.IntRange(min=1),
               help="As `jaxinfer serve` on a GPU or TPU.")
 @click.option("--json", "json_path", default=None, help="Write the plan as JSON.")
-def plan(model, mesh, hbm_gb, context, page_size, dtype, quantize, memory_fraction, reserve_gb,
-         max_num_seqs, max_num_batched_tokens, json_path):
+def plan(model, mesh, gpus, hbm_gb, context, page_size, dtype, quantize, memory_fraction,
+         reserve_gb, max_num_seqs, max_num_batched_tokens, json_path):
     """Weight bytes per device, KV pages that fit and concurrent sequences at a context."""
 
+    if mesh is not None and gpus is not None:
+        raise JaxinferError("--mesh and --gpus: give one (--gpus suggests a mesh)")
     spec = MeshSpec.parse(mesh)  # a bad spec fails before the model is read
     config, tensors = model_tensors(model, dtype, quantize)
-    result = plan_memory(config, spec, int(hbm_gb * GiB), tensors=tensors, page_size=page_size,
-                         context=context, memory_fraction=memory_fraction,
-                         reserve_bytes=None if reserve_gb is None else int(reserve_gb * GiB),
-                         max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens, name=model)
+    kwargs = dict(tensors=tensors, page_size=page_size, context=context,
+                  memory_fraction=memory_fraction,
+                  reserve_bytes=None if reserve_gb is None else int(reserve_gb * GiB),
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                  name=model)
+    if gpus is None:
+        result = plan_memory(config, spec, int(hbm_gb * GiB), **kwargs)
+    else:
+        spec, result = suggest_mesh(config, gpus, int(hbm_gb * GiB), **kwargs)
+        click.echo(f"suggested    --mesh {spec} for {gpus} device(s): the fewest a replica "
+                   f"fits on, the rest replicas (more tp: lower latency, fewer tokens per GPU)")
     click.echo(result.format())
     if json_path:
         with open(json_path, "w") as f:

@@ -29,6 +29,7 @@ from jaxinfer.loading.plan import (
     float_tensors,
     model_tensors,
     plan_memory,
+    suggest_mesh,
 )
 from jaxinfer.loading.presets import preset_config, random_model
 from jaxinfer.sharding import MeshSpec
@@ -183,6 +184,29 @@ def test_cli(tmp_path):
         result = runner.invoke(cli, args)
         assert result.exit_code == 1, (bad, result.output)
         assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_suggested_mesh_is_the_fewest_devices_a_replica_fits_on():
+    """`plan --gpus N`: replicas of the smallest tp whose plan holds a sequence; a model
+    too big for one device gets tp=2; one too big for all of them is a one-line error."""
+    config = preset_config("llama3-8b")
+    spec, plan = suggest_mesh(config, 4, 80 * GiB, name="llama3-8b")
+    assert (spec.tp, spec.dp, spec.ep) == (1, 4, 1) and plan.max_seqs >= 1
+    assert plan == plan_memory(config, spec, 80 * GiB, name="llama3-8b")
+    # 16 GB of bf16 weights: 20 GiB devices hold a replica only split in two.
+    spec, plan = suggest_mesh(config, 4, 20 * GiB, name="llama3-8b")
+    assert (spec.tp, spec.dp) == (2, 2)
+    with pytest.raises(JaxinferError, match="no layout of 2 device"):
+        suggest_mesh(config, 2, 4 * GiB, name="llama3-8b")
+
+    runner = CliRunner()
+    result = runner.invoke(cli, ["plan", "--model", "llama3-8b", "--gpus", "4",
+                                 "--hbm-gb", "20"])
+    assert result.exit_code == 0, result.output
+    assert "--mesh tp=2,ep=1,dp=2" in result.output
+    result = runner.invoke(cli, ["plan", "--model", "tiny", "--gpus", "2", "--mesh", "tp=2",
+                                 "--hbm-gb", "1"])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
 
 
 # -- the LLM's own plan --------------------------------------------------------------------------

@@ -189,6 +189,38 @@ def plan_memory(config: ModelConfig, mesh_spec: MeshSpec | str | None, hbm_bytes
         dp=spec.dp, kv_cache_bytes=num_pages * page_bytes * spec.tp)
 
 
+def suggest_mesh(config: ModelConfig, gpus: int, hbm_bytes: int, *, name: str = "the model",
+                 **plan_kwargs) -> tuple[MeshSpec, MemoryPlan]:
+    """The layout `jaxinfer plan --gpus N` suggests, with its plan: the fewest devices per
+    replica (tp = 1, 2, 4, ... dividing `gpus`) on which the weights, the reserve and one
+    sequence of the plan's context fit; the other devices as dp replicas.
+
+    Why replicas first (2 x H200, bench/NOTES.md, Sharding): tp=2 decodes a batch-1 Llama-3-8B
+    at 1.3x one GPU's speed and a batch of 64 at 1.3x, where two replicas serve twice one
+    GPU's requests; a batch-1 Qwen3-30B-A3B ran slower split over two GPUs (tp=2 3.19, ep=2
+    3.40 ms a token) than on one (2.86). So a model split over more GPUs than it needs buys
+    latency at a cost per token. plan_kwargs: as `plan_memory`'s. Raises JaxinferError (the
+    largest layout's reason) where no layout fits."""
+    if gpus < 1:
+        raise JaxinferError(f"--gpus {gpus}: expected >= 1")
+    error = None
+    tp = 1
+    while tp <= gpus:
+        if gpus % tp == 0:
+            spec = MeshSpec(dp=gpus // tp, tp=tp)
+            try:
+                plan = plan_memory(config, spec, hbm_bytes, name=name, **plan_kwargs)
+            except JaxinferError as e:
+                error = e
+            else:
+                if plan.max_seqs >= 1:
+                    return spec, plan
+                error = JaxinferError(f"{name} on {spec}: no room for one sequence of "
+                                      f"{plan.context} tokens ({plan.num_pages} pages)")
+        tp *= 2
+    raise JaxinferError(f"{name}: no layout of {gpus} device(s) fits ({error})")
+
+
 def kv_pages(where: str, usable: int, usable_from: str, weights: int, reserve: int,
              page_bytes: int, min_pages: int, min_pages_for: str = "",
              free_block: int | None = None) -> tuple[int, int]:
