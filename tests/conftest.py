@@ -59,6 +59,16 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 VOCAB = 320
 
 
+def gpu_llama_config():
+    """The small Llama shape of the GPU tests (`-m gpu`): 2 layers, hidden 1024, vocabulary
+    2048, 16 query and 4 KV heads of 64, so the Mosaic kernels and tp=2 splits apply."""
+    from jaxinfer.config import ModelConfig
+
+    return ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
+                       intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,
+                       head_dim=64, max_position_embeddings=2048, eos_token_ids=(1,))
+
+
 def _train_tokenizer(out: Path):
     """A small byte-level BPE tokenizer (so the tiny models can take text prompts)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -118,12 +118,11 @@ def test_gpu_decode_with_the_peer_kernel_matches_xla_all_reduce(monkeypatch):
     them): bitwise the tokens and logprobs with the peer all-reduce as with XLA's."""
     _two_gpus()
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.config import ModelConfig
     from jaxinfer.loading.presets import random_model
 
-    config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
-                         intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,
-                         head_dim=64, max_position_embeddings=2048, eos_token_ids=(1,))
+    from .conftest import gpu_llama_config
+
+    config = gpu_llama_config()
     model = random_model(config, jnp.bfloat16, seed=7)
     rng = np.random.default_rng()
     prompts = [rng.integers(2, 2048, n).tolist() for n in (5, 40, 17, 90)]

@@ -37,7 +37,7 @@ from jaxinfer.engine.runner import WARMUP_CONTEXT, ModelRunner, StepOutput
 from jaxinfer.engine.scheduler import PENDING_TOKEN, SeqChunk
 from jaxinfer.loading.presets import preset_config, random_model
 
-from .conftest import VOCAB
+from .conftest import VOCAB, gpu_llama_config
 
 PAGE = 16
 
@@ -692,9 +692,7 @@ def test_gpu_steps_over_finite_garbage_pages_match_zeroed_pages():
     the bf16 extremes (+-1e38) before the run, as pages freed by other sequences hold old
     rows, greedy decodes of one step and of 8 steps a call give the tokens they give over
     zeroed pages."""
-    config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
-                         intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,
-                         head_dim=64, max_position_embeddings=2048, eos_token_ids=(1,))
+    config = gpu_llama_config()
     model = random_model(config, jnp.bfloat16, seed=11)
     rng = np.random.default_rng()
     prompts = [rng.integers(2, 2048, n).tolist() for n in (5, 16, 37, 90)]

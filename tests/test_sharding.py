@@ -31,7 +31,7 @@ from jaxinfer.models.moe import FoldedRouter, Router
 from jaxinfer.ops.attention import AttentionMetadata
 from jaxinfer.sharding import MeshSpec
 
-from .conftest import VOCAB
+from .conftest import VOCAB, gpu_llama_config
 
 KV_BYTES = 1 << 22
 
@@ -197,9 +197,7 @@ def test_gpu_sharded_kernels_match_one_device(mesh):
 
     if jax.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    config = ModelConfig(family="llama", vocab_size=2048, hidden_size=1024,
-                         intermediate_size=2048, num_layers=2, num_heads=16, num_kv_heads=4,
-                         head_dim=64, max_position_embeddings=2048, eos_token_ids=(1,))
+    config = gpu_llama_config()
     model = random_model(config, jnp.bfloat16, seed=5)
     prompts = _prompts(6, (37, 300, 5))
     want = LLM(model, kv_cache_bytes=64 << 20).logits(prompts)
