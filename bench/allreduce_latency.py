@@ -72,7 +72,7 @@ def main():
     args = ap.parse_args()
     mesh = jax.make_mesh((jax.device_count(),), ("tp",),
                          axis_types=(jax.sharding.AxisType.Auto,))
-    capacity = max(args.tokens) * args.hidden * 2
+    capacity = -(-max(args.tokens) * args.hidden * 2 // 16384) * 16384
     peers = jnp.zeros((mesh.size, 2), jnp.uint32)
     if "mosaic" in args.impl:
         from jaxinfer.mosaic.all_reduce import make_workspace

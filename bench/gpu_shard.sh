@@ -65,7 +65,6 @@ for part in ${*:-tests plan dense moe}; do
     sync=--xla_gpu_disable_async_collectives=ALLREDUCE
     graphs="--xla_gpu_enable_command_buffer=+COLLECTIVES"
     run_profile default X=1
-    run_profile one_shot JAXINFER_ONE_SHOT_ALL_REDUCE=1
     run_profile graph_collectives XLA_FLAGS="$graphs --xla_gpu_graph_min_graph_size=1"
     run_profile graph_while \
       XLA_FLAGS="$graphs,+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"

@@ -32,6 +32,7 @@ devices. A placed model is therefore laid out for the tp of the mesh its paramet
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import re
@@ -130,40 +131,40 @@ class MeshSpec:
         return [Mesh(g, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES)) for g in grid]
 
 
-def step_compiler_options(mesh: Mesh) -> dict[str, str | bool]:
-    """XLA options for a step sharded over several GPUs of one host. Opt-in experiment
-    (JAXINFER_ONE_SHOT_ALL_REDUCE=1): XLA's one-shot all-reduce kernel (it reads the peers'
-    buffers over NVLink, peer-to-peer, no NVLink multicast) instead of NCCL for small
-    all-reduces; it measured no faster than NCCL for Llama-8B tp=2 decode (bench/NOTES.md,
-    Sharding: XLA's one-shot all-reduce kernel)."""
-    import os
-
-    if (mesh.size == 1 or mesh.devices.flat[0].platform != "gpu"
-            or os.environ.get("JAXINFER_ONE_SHOT_ALL_REDUCE") != "1"):
-        return {}
-    return {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
-
-
 # Messages up to this many bytes a device are summed by the peer-memory all-reduce
 # (`reduce_over`): decode-sized, 64 tokens of a 4096-wide residual in bf16, where it was
 # faster than NCCL at every size measured (bench/NOTES.md, Sharding). Larger ones (prefill)
 # go to NCCL.
 PEER_ALL_REDUCE_BYTES = 512 * 1024
+# The most JAXINFER_ALL_REDUCE may ask for: the kernel unrolls a CTA's tiles (16 at 1 MiB).
+PEER_ALL_REDUCE_MAX_BYTES = 1 << 20
 
 
 def peer_all_reduce_capacity(mesh: Mesh) -> int:
     """The workspace capacity (bytes) of the peer-memory all-reduce for steps on `mesh`, 0
-    where it is off: on one device, on CPUs, across processes (its workspace addresses are
-    one process's), or with JAXINFER_ALL_REDUCE=xla (XLA's all-reduce everywhere).
-    JAXINFER_ALL_REDUCE=BYTES sets the largest message it takes instead of
-    PEER_ALL_REDUCE_BYTES."""
+    where it is off. JAXINFER_ALL_REDUCE: `peer` (the default: messages up to
+    PEER_ALL_REDUCE_BYTES), `xla` (XLA's all-reduce everywhere), or the largest message in
+    bytes (rounded up to 16 KiB, the workspace's unit; 0: off). Off anyway on one device,
+    on anything but Hopper GPUs (a Mosaic GPU kernel), and across processes (its workspace
+    addresses are one process's)."""
     import os
 
-    setting = os.environ.get("JAXINFER_ALL_REDUCE", "")
-    if (mesh.size == 1 or mesh.devices.flat[0].platform != "gpu"
-            or jax.process_count() > 1 or setting == "xla"):
+    from jaxinfer.ops.platform import platform
+
+    setting = os.environ.get("JAXINFER_ALL_REDUCE", "peer")
+    if setting == "xla":
+        size = 0
+    elif setting == "peer":
+        size = PEER_ALL_REDUCE_BYTES
+    elif setting.isdigit() and int(setting) <= PEER_ALL_REDUCE_MAX_BYTES:
+        size = -(-int(setting) // 16384) * 16384
+    else:
+        raise JaxinferError(f"JAXINFER_ALL_REDUCE={setting!r}: expected peer, xla or a "
+                            f"message size of at most {PEER_ALL_REDUCE_MAX_BYTES} bytes")
+    if (size == 0 or mesh.size == 1 or mesh.devices.flat[0].platform != "gpu"
+            or platform() != "hopper" or jax.process_count() > 1):
         return 0
-    return int(setting) if setting.isdigit() else PEER_ALL_REDUCE_BYTES
+    return size
 
 
 def sharded_config(config: ModelConfig, tp: int) -> ModelConfig:
@@ -227,18 +228,19 @@ class PeerAllReduce:
     capacity: int
 
 
-_peer_all_reduce: list[PeerAllReduce | None] = [None]
+_PEER_ALL_REDUCE = contextvars.ContextVar("jaxinfer_peer_all_reduce", default=None)
 
 
 @contextlib.contextmanager
 def peer_all_reduce(config: PeerAllReduce | None):
     """While tracing a step: `reduce_over` sums messages that fit over the whole mesh with
-    the peer-memory kernel (None: XLA's all-reduce everywhere)."""
-    _peer_all_reduce.append(config)
+    the peer-memory kernel (None: XLA's all-reduce everywhere). A context variable: set it
+    on the thread that traces (programs compile on several)."""
+    token = _PEER_ALL_REDUCE.set(config)
     try:
         yield
     finally:
-        _peer_all_reduce.pop()
+        _PEER_ALL_REDUCE.reset(token)
 
 
 def reduce_over(mesh_axes_logical: tuple[str, ...], x):
@@ -254,7 +256,7 @@ def reduce_over(mesh_axes_logical: tuple[str, ...], x):
                  if (a := LOGICAL_AXIS_RULES[name]) is not None and mesh_axis_size(mesh, a) > 1)
     if not axes:
         return x
-    peer = _peer_all_reduce[-1]
+    peer = _PEER_ALL_REDUCE.get()
     if peer is not None and len(axes) == 1 and mesh.shape[axes[0]] == mesh.size:
         from jaxinfer.mosaic import all_reduce
 

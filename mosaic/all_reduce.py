@@ -17,21 +17,25 @@ The workspace (`Workspace`): one buffer a device, allocated once and kept by the
 for as long as it runs steps, written only by this kernel (through raw addresses: XLA
 does not see it, so it neither copies it nor hands its memory to anything else). Layout
 (bytes): flags [BLOCKS, n + 1] uint32 (flags[b, d]: the last epoch CTA b of device d
-announced here; flags[b, n]: CTA b's own call counter), padded to 256, then
-stage [2, n, capacity / itemsize] in x's dtype (stage[s, d]: device d's x of the calls
-whose epoch % 2 == s). Peers reach it through the GPUs' peer access (one process: unified
-addresses), so the kernel needs no collective metadata from XLA: no barrier kernel, no
-exchange of addresses a run, and it runs inside the step's CUDA graph like any kernel.
+announced here; flags[b, n]: CTA b's own call counter), padded to a multiple of 256, then
+stage [2, n, capacity] bytes (stage[s, d]: device d's x, in its own dtype, of the calls
+whose epoch & 1 == s; calls of any dtype share it, a tile being 2 KiB in each). Peers
+reach it through the GPUs' peer access (one process: unified addresses), so the kernel
+needs no collective metadata from XLA: no barrier kernel, no exchange of addresses a run,
+and it runs inside the step's CUDA graph like any kernel.
 
 Algorithm (push, one shot):
 - A grid of `BLOCKS` CTAs (one warpgroup each), the same count for every call; CTA b takes
   tiles b, b + BLOCKS, ... of x read flat, so in every call on every device a tile
   belongs to the same CTA.
-- CTA b numbers its calls: epoch e = its counter + 1. Every device runs the same sequence
-  of calls, so CTA b's counters stay equal across devices.
+- CTA b numbers its calls: epoch e = its counter + 1 (uint32, wrapping: the stage is e & 1,
+  and "flag >= e" is the signed difference flag - e >= 0, right across the wrap). Every
+  device runs the same sequence of calls, so CTA b's counters stay equal across devices.
+  (A program that fails on some devices only would leave them apart: the runner then
+  replaces the workspace.)
 - CTA b loads all its tiles of x into registers (every load issued before the first
   store: the step is latency-bound, not bandwidth-bound), then stores each into
-  stage[e % 2, me] of every device (its own included): plain 16-byte stores over NVLink.
+  stage[e & 1, me] of every device (its own included): plain 16-byte stores over NVLink.
 - After a warpgroup barrier one thread stores e into flags[b, me] of every device
   (release, system scope), then spins (acquire) until its own flags[b, d] >= e for every
   d: the n rows of its tiles have arrived.
@@ -53,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref
+from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -90,20 +94,25 @@ class Workspace:
 
 def make_workspace(mesh, capacity: int) -> Workspace:
     """Allocates the workspace for all-reduces over every device of `mesh` (its devices in
-    order are the reduction's 0 .. n-1) of messages up to `capacity` bytes (rounded up to
-    a multiple of 16 KiB). Needs GPUs of this process with peer access to each other."""
+    order are the reduction's 0 .. n-1) of messages up to `capacity` bytes (a positive
+    multiple of 16 KiB). Needs GPUs of this process with peer access to each other."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    if capacity <= 0 or capacity % 16384:
+        raise ValueError(f"make_workspace: capacity {capacity}: expected a positive multiple "
+                         f"of 16384 bytes")
     devices = list(mesh.devices.flat)
     n = len(devices)
-    capacity = -(-capacity // 16384) * 16384
     per_device = flags_bytes(n) + 2 * n * capacity
-    buffers = tuple(jax.device_put(np.zeros(per_device, np.uint8), d) for d in devices)
+    # Zeros on every device before any kernel runs: a kernel's first pushes and flags land
+    # in the peers' buffers, which must not be zeroed after them.
+    buffers = jax.block_until_ready(
+        tuple(jax.device_put(np.zeros(per_device, np.uint8), d) for d in devices))
     # [n, 2] uint32 (low, high words): int64 arrays need jax's x64 mode.
     table = np.array([b.unsafe_buffer_pointer() for b in buffers], np.uint64)
     table = np.stack([table & 0xFFFFFFFF, table >> 32], axis=1).astype(np.uint32)
-    peers = jax.device_put(table, NamedSharding(mesh, P()))
+    peers = jax.block_until_ready(jax.device_put(table, NamedSharding(mesh, P())))
     return Workspace(buffers, peers, capacity)
 
 
@@ -146,6 +155,27 @@ def _flag(peers_ref, device, n: int, block, slot) -> ir.Value:
     return _address(peers_ref, device, offset)
 
 
+def _wait_for_epoch(address, epoch):
+    """One thread of the warpgroup spins until the flag at `address` has reached `epoch`
+    (the signed difference flag - epoch >= 0, so it holds across the uint32 wrap), then an
+    acquire fence (system scope) and a warpgroup barrier."""
+    i32 = ir.IntegerType.get_signless(32)
+    with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
+        while_op = scf.WhileOp([i32], [epoch])
+        before = while_op.before.blocks.append(i32)
+        with ir.InsertionPoint.at_block_begin(before):
+            [wanted] = before.arguments
+            flag = mgpu.utils.inline_ptx("ld.relaxed.sys.global.b32 $0, [$1];", address,
+                                         result_types=i32, has_side_effects=True)
+            behind = arith.cmpi(arith.CmpIPredicate.slt, arith.subi(flag, wanted), _i32(0))
+            scf.condition(behind, [wanted])
+        after = while_op.after.blocks.append(i32)
+        with ir.InsertionPoint.at_block_begin(after):
+            scf.yield_(after.arguments)
+        mgpu.utils.inline_ptx("fence.acquire.sys;", has_side_effects=True)
+    mgpu.utils.warpgroup_barrier()
+
+
 def _load_u32(address) -> ir.Value:
     return mgpu.utils.inline_ptx("ld.relaxed.gpu.global.u32 $0, [$1];", address,
                                  result_types=ir.IntegerType.get_signless(32),
@@ -158,6 +188,9 @@ def all_reduce_sum(x: jax.Array, peers: jax.Array, *, axis_name: str,
     """Sum of x over the devices of mesh axis `axis_name` (inside shard_map); see the module
     doc for the contract. peers: `Workspace.peers`; capacity: `Workspace.capacity`."""
     n = lax.axis_size(axis_name)
+    if peers.shape != (n, 2):
+        raise ValueError(f"all_reduce_sum: peers {peers.shape}: expected ({n}, 2), one "
+                         f"address a device of {axis_name!r}")
     if not supports(x.shape, x.dtype, capacity):
         raise ValueError(f"all_reduce_sum: x {x.shape} {x.dtype}: needs bf16 / f16 / f32, a "
                          f"size that is a multiple of {tile_elements(x.dtype)} and at most "
@@ -202,9 +235,8 @@ def all_reduce_sum(x: jax.Array, peers: jax.Array, *, axis_name: str,
                 mgpu.utils.inline_ptx("st.release.sys.global.u32 [$0], $1;",
                                       _flag(peers_ref, d, n, block, me), epoch,
                                       has_side_effects=True)
-        for d in range(n):  # (each wait: one thread spins, then a warpgroup barrier)
-            flag = mgpu.utils.SemaphoreRef(_flag(peers_ref, me, n, block, _i32(d)))
-            flag.wait(epoch, decrement=False)
+        for d in range(n):
+            _wait_for_epoch(_flag(peers_ref, me, n, block, _i32(d)), epoch)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar),
                        return_type=plgpu.ShapeDtypeStruct((tile,), jnp.float32, layout))
@@ -236,10 +268,10 @@ def all_reduce_sum(x: jax.Array, peers: jax.Array, *, axis_name: str,
         me = me_ref[0]
         b = lax.axis_index("blocks").astype(jnp.int32)
         epoch = read_epoch(peers_ref, me, b)
-        # Byte offset of stage[e % 2, 0, 0] in a workspace.
-        stage = flags_bytes(n) + lax.rem(epoch, 2) * (n * capacity)
-        # This CTA's tiles; past the last one (guarded) it reads the last again and
-        # writes nothing.
+        # Byte offset of stage[e & 1, 0, 0] in a workspace.
+        stage = flags_bytes(n) + (epoch & 1) * (n * capacity)
+        # This CTA's tiles; past the last one (guarded) it reads the last tile again (x,
+        # then another CTA's stage rows: harmless, it stores neither).
         ts = [b + k * BLOCKS for k in range(per_cta)]
         valid = [t < tiles for t in ts]
         ts = [jnp.minimum(t, tiles - 1) for t in ts] if guarded else ts

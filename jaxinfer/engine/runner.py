@@ -43,7 +43,6 @@ from jaxinfer.sharding import (
     logical_to_mesh,
     peer_all_reduce,
     peer_all_reduce_capacity,
-    step_compiler_options,
 )
 
 # The context the warm-up compiles for by default (`LLM.warmup`), and the narrowest page
@@ -176,7 +175,7 @@ class ModelRunner:
         self.kv_avals = [(aval, aval) for _ in range(pools)]
         self._kv_cache = None
         # Outputs replicated, so every process (multi-host) can read them.
-        options = step_compiler_options(self.mesh)
+        options = {}
         if batch_invariant:
             options |= invariant_compiler_options(self.mesh.devices.flat[0].platform)
         jit = dict(donate_argnums=(0,), out_shardings=(NamedSharding(self.mesh, P()),
@@ -195,7 +194,8 @@ class ModelRunner:
         self.peer_capacity = peer_all_reduce_capacity(self.mesh)
         self._peers_aval = jax.ShapeDtypeStruct(
             (self.mesh.size if self.peer_capacity else 1, 2), jnp.uint32, sharding=replicated)
-        self._peer_workspace = None
+        self._peer_workspace = None  # kept alive: steps write it through its addresses
+        self._peers = None
         self._prev_aval = jax.ShapeDtypeStruct((self.prev_slots,), jnp.int32,
                                                sharding=replicated)
         self._prev_tokens = None
@@ -239,26 +239,27 @@ class ModelRunner:
 
     @property
     def peers(self) -> jax.Array:
-        """The step argument of the peer-memory all-reduce: its workspace's addresses."""
-        if self._peer_workspace is None:
+        """The step argument of the peer-memory all-reduce: its workspace's addresses
+        (allocated on first use; zeros where it is off)."""
+        if self._peers is None:
             if self.peer_capacity:
                 from jaxinfer.mosaic.all_reduce import make_workspace
 
                 self._peer_workspace = make_workspace(self.mesh, self.peer_capacity)
-                assert self._peer_workspace.capacity == self.peer_capacity
-                self._peer_workspace_peers = self._peer_workspace.peers
+                self._peers = self._peer_workspace.peers
             else:
-                self._peer_workspace = ()
-                self._peer_workspace_peers = jax.device_put(
-                    np.zeros((1, 2), np.uint32), self._peers_aval.sharding)
-        return self._peer_workspace_peers
+                self._peers = jax.device_put(np.zeros((1, 2), np.uint32),
+                                             self._peers_aval.sharding)
+        return self._peers
 
     def _peer_config(self, peers) -> PeerAllReduce | None:
         return PeerAllReduce(peers, self.peer_capacity) if self.peer_capacity else None
 
     def allocate_kv_cache(self):
-        """Allocates the KV pages (zeros) unless they are."""
+        """Allocates the KV pages (zeros) unless they are (the peer all-reduce's workspace
+        first: the pool takes what planning left)."""
         if self._kv_cache is None:
+            self.peers  # noqa: B018 (allocates)
             self._kv_cache = [(self._kv_zeros(), self._kv_zeros()) for _ in self.kv_avals]
 
     def lower(self, shape: StepShape, *args) -> jax.stages.Lowered:
@@ -659,7 +660,13 @@ class ModelRunner:
                     self._prev_tokens = jax.device_put(np.zeros(self.prev_slots, np.int32),
                                                        self._prev_aval.sharding)
                 args.append(self._prev_tokens)
-            out, self.kv_cache = self.steps.run(shape, *args)
+            try:
+                out, self.kv_cache = self.steps.run(shape, *args)
+            except BaseException:
+                # A program that failed on some devices only would leave the peer
+                # all-reduce's call counters apart: the next step gets a fresh workspace.
+                self._peer_workspace = self._peers = None
+                raise
             if kind == "sample" and num_steps == 1:
                 logits, out = out[5], out[:5]
                 if np.any(inputs.sampling.temperature > 0):  # the host knows: no conditional
