@@ -72,12 +72,12 @@ def main():
     args = ap.parse_args()
     mesh = jax.make_mesh((jax.device_count(),), ("tp",),
                          axis_types=(jax.sharding.AxisType.Auto,))
-    capacity = -(-max(args.tokens) * args.hidden * 2 // 16384) * 16384
+    capacity = 0
     peers = jnp.zeros((mesh.size, 2), jnp.uint32)
     if "mosaic" in args.impl:
-        from jaxinfer.mosaic.all_reduce import make_workspace
+        from jaxinfer.mosaic.all_reduce import capacity_for, make_workspace
 
-        workspace = make_workspace(mesh, capacity)
+        workspace = make_workspace(mesh, capacity_for(max(args.tokens) * args.hidden * 2))
         peers, capacity = workspace.peers, workspace.capacity
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, chain {args.chain}")
     print("| impl | tokens | bytes | max rel. error | same bits on every device | "

@@ -157,7 +157,9 @@ def peer_all_reduce_capacity(mesh: Mesh) -> int:
     elif setting == "peer":
         size = PEER_ALL_REDUCE_BYTES
     elif setting.isdigit() and int(setting) <= PEER_ALL_REDUCE_MAX_BYTES:
-        size = -(-int(setting) // 16384) * 16384
+        from jaxinfer.mosaic.all_reduce import capacity_for
+
+        size = int(setting) and capacity_for(int(setting))
     else:
         raise JaxinferError(f"JAXINFER_ALL_REDUCE={setting!r}: expected peer, xla or a "
                             f"message size of at most {PEER_ALL_REDUCE_MAX_BYTES} bytes")

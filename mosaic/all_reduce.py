@@ -66,6 +66,12 @@ LANES = 128  # one warpgroup
 LANE_BYTES = 16  # one vector load or store a lane
 BLOCKS = 32  # CTAs of every call (fixed: a tile keeps its CTA, see the module doc)
 FLAGS_BYTES = 256  # the stage starts at a multiple of this past the flags
+CAPACITY_UNIT = 16384  # a workspace's capacity is a whole number of these bytes
+
+
+def capacity_for(message_bytes: int) -> int:
+    """The workspace capacity that holds messages of up to `message_bytes`."""
+    return max(1, -(-message_bytes // CAPACITY_UNIT)) * CAPACITY_UNIT
 
 
 def tile_elements(dtype) -> int:
@@ -100,9 +106,9 @@ def make_workspace(mesh, capacity: int) -> Workspace:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    if capacity <= 0 or capacity % 16384:
+    if capacity <= 0 or capacity % CAPACITY_UNIT:
         raise ValueError(f"make_workspace: capacity {capacity}: expected a positive multiple "
-                         f"of 16384 bytes")
+                         f"of {CAPACITY_UNIT} bytes (`capacity_for`)")
     devices = list(mesh.devices.flat)
     n = len(devices)
     per_device = flags_bytes(n) + 2 * n * capacity
